@@ -1,0 +1,245 @@
+"""ConfigManager: recipe lookup (``--module/--config``), run files and tyro CLI overrides.
+
+Precedence, lowest first: the recipe function's return value, then a run file
+(``--config-file run.toml|run.yaml``), then command-line overrides such as ``--training.steps 20``.
+
+Run ``python -m hyper_parallel.config.manager --module glm_image_moe --config glm_image_moe_debug``
+to print the resolved config, or add ``--help`` to list every field with its docstring.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import importlib
+import json
+import pkgutil
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import tyro
+
+__all__ = ["ConfigManager", "ConfigError", "apply_overrides", "load_run_file"]
+
+_MODELS_PACKAGE = "hyper_parallel.models"
+
+
+class ConfigError(ValueError):
+    """A config, recipe or run-file problem; the message says what to change."""
+
+
+def _pop_option(args: list[str], name: str) -> str | None:
+    """Remove ``--name value`` or ``--name=value`` from ``args`` and return the value."""
+    for i, arg in enumerate(args):
+        if arg == name:
+            if i + 1 >= len(args):
+                raise ConfigError(f"{name} needs a value")
+            value = args[i + 1]
+            del args[i : i + 2]
+            return value
+        if arg.startswith(name + "="):
+            del args[i]
+            return arg.split("=", 1)[1]
+    return None
+
+
+def available_modules() -> list[str]:
+    """Model packages under ``hyper_parallel.models`` that have a ``config_registry``."""
+    pkg = importlib.import_module(_MODELS_PACKAGE)
+    names = []
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if info.ispkg and (Path(pkg.__path__[0]) / info.name / "config_registry.py").exists():
+            names.append(info.name)
+            if info.name.endswith("_v2"):
+                names.append(info.name[: -len("_v2")])
+    return sorted(set(names))
+
+
+def _import_registry(module: str) -> Any:
+    candidates = [
+        f"{_MODELS_PACKAGE}.{module}.config_registry",
+        f"{_MODELS_PACKAGE}.{module}_v2.config_registry",
+        f"{module}.config_registry",
+        module,
+    ]
+    for name in candidates:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            # Only swallow "this candidate does not exist"; a broken import inside it must surface.
+            if e.name is None or not (name == e.name or name.startswith(e.name + ".")):
+                raise
+    raise ConfigError(
+        f"--module {module!r} is not a model package or an importable module; "
+        f"available modules: {', '.join(available_modules())}"
+    )
+
+
+def available_recipes(registry: Any) -> list[str]:
+    """Public functions defined in a config_registry module (the recipes)."""
+    return sorted(
+        name
+        for name, obj in vars(registry).items()
+        if callable(obj)
+        and not name.startswith("_")
+        and getattr(obj, "__module__", None) == registry.__name__
+        and not isinstance(obj, type)
+    )
+
+
+def resolve_recipe(module: str, config: str) -> Callable[[], Any]:
+    """Find recipe function ``config`` of model package (or dotted module) ``module``."""
+    registry = _import_registry(module)
+    fn = getattr(registry, config, None)
+    recipes = available_recipes(registry)
+    if fn is None or not callable(fn) or isinstance(fn, type):
+        close = difflib.get_close_matches(config, recipes, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"--config {config!r} is not a recipe in {registry.__name__}.{hint} "
+            f"Available recipes: {', '.join(recipes) or '(none)'}"
+        )
+    return fn
+
+
+def load_run_file(path: str | Path) -> dict[str, Any]:
+    """Read a ``.toml``, ``.yaml``/``.yml`` or ``.json`` run file into a nested dict."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config-file {str(path)!r} does not exist")
+    text = path.read_text()
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"--config-file {str(path)!r}: use a .toml, .yaml, .yml or .json file")
+    except ConfigError:
+        raise
+    except Exception as e:  # parser errors name line and column
+        raise ConfigError(f"--config-file {str(path)!r} could not be parsed: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config-file {str(path)!r} must hold a mapping of sections at top level")
+    return data
+
+
+def _check_value(where: str, old: Any, new: Any) -> Any:
+    if isinstance(old, bool) and not isinstance(new, bool):
+        raise ConfigError(f"{where}: expected true/false, got {new!r}")
+    if isinstance(old, int) and not isinstance(old, bool) and not (isinstance(new, int) and not isinstance(new, bool)):
+        raise ConfigError(f"{where}: expected an integer, got {new!r}")
+    if isinstance(old, float) and not isinstance(new, (int, float)):
+        raise ConfigError(f"{where}: expected a number, got {new!r}")
+    if isinstance(old, float):
+        return float(new)
+    if isinstance(old, str) and not isinstance(new, str):
+        raise ConfigError(f"{where}: expected a string, got {new!r}")
+    return new
+
+
+def apply_overrides(config: Any, overrides: dict[str, Any], *, source: str = "overrides") -> Any:
+    """Return a copy of ``config`` with a nested dict of overrides applied.
+
+    Unknown keys are errors naming the full key and the closest existing field.
+    """
+    config = copy.deepcopy(config)
+    _apply(config, overrides, prefix="", source=source)
+    return config
+
+
+def _apply(node: Any, overrides: dict[str, Any], *, prefix: str, source: str) -> None:
+    names = [f.name for f in dataclasses.fields(node) if not f.name.startswith("_")]
+    for key, value in overrides.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {prefix}{close[0]!r}?" if close else f"; fields here: {', '.join(names)}"
+            raise ConfigError(f"{source}: unknown key {full!r}{hint}")
+        current = getattr(node, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: {full!r} is a section; give it a mapping, not {value!r}")
+            _apply(current, value, prefix=full + ".", source=source)
+        elif isinstance(current, list) and current and dataclasses.is_dataclass(current[0]):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for idx, sub in items:
+                i = int(idx)
+                if not 0 <= i < len(current):
+                    raise ConfigError(f"{source}: {full}.{idx} is out of range (length {len(current)})")
+                _apply(current[i], sub, prefix=f"{full}.{i}.", source=source)
+        else:
+            setattr(node, key, _check_value(f"{source}: {full!r}", current, value))
+
+
+class ConfigManager:
+    """Parses ``--module M --config C [--config-file F] [overrides]`` into a run config."""
+
+    def __init__(self) -> None:
+        self.config: Any = None
+        self.module: str | None = None
+        self.recipe: str | None = None
+
+    def parse_args(self, args: Sequence[str] | None = None) -> Any:
+        """Resolve the recipe, apply the run file, then tyro CLI overrides; return the run config."""
+        argv = list(sys.argv[1:] if args is None else args)
+        module = _pop_option(argv, "--module")
+        recipe = _pop_option(argv, "--config")
+        run_file = _pop_option(argv, "--config-file")
+        if module is None or recipe is None:
+            raise ConfigError(
+                "both --module and --config are required, e.g. "
+                "--module glm_image_moe --config glm_image_moe_debug; "
+                f"available modules: {', '.join(available_modules())}"
+            )
+        config = resolve_recipe(module, recipe)()
+        if not dataclasses.is_dataclass(config):
+            raise ConfigError(f"recipe {module}.{recipe} must return a config dataclass, got {type(config).__name__}")
+        if run_file is not None:
+            data = load_run_file(run_file)
+            config = self._apply_run_file(config, data, run_file)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # tyro warns about subclass defaults it handles fine
+            config = tyro.cli(
+                type(config),
+                default=config,
+                args=argv,
+                prog=f"--module {module} --config {recipe}",
+                description=f"Run config of recipe {module}.{recipe}; every field can be overridden.",
+                config=(tyro.conf.FlagConversionOff,),
+            )
+        validate = getattr(config, "validate", None)
+        if callable(validate):
+            validate()
+        self.config, self.module, self.recipe = config, module, recipe
+        return config
+
+    def _apply_run_file(self, config: Any, data: dict[str, Any], path: str) -> Any:
+        return apply_overrides(config, data, source=f"--config-file {path}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Print the resolved run config as JSON."""
+    config = ConfigManager().parse_args(argv)
+    to_dict = getattr(config, "to_dict", None)
+    data = to_dict() if callable(to_dict) else dataclasses.asdict(config)
+    print(json.dumps(data, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

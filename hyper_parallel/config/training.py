@@ -1,0 +1,70 @@
+"""Run-level option groups: training loop, activation checkpointing, compile, comm, debug."""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingConfig:
+    """How long and how the model trains."""
+
+    steps: int = 100
+    """Number of optimizer steps to run."""
+    max_norm: float = 1.0
+    """Clip the global gradient norm (over all meshes) to this value; <= 0 disables clipping."""
+    mixed_precision_param: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype FSDP casts parameters to for forward/backward compute."""
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """Dtype FSDP reduce-scatters gradients in."""
+    on_nonfinite: Literal["error", "skip"] = "error"
+    """A NaN/inf loss or grad norm: `error` stops naming the step, `skip` drops that step's update."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ActivationCheckpointConfig:
+    """Activation checkpointing, applied per decoder layer."""
+
+    mode: Literal["none", "full", "selective"] = "none"
+    """`full` recomputes every decoder layer; `selective` recomputes every N-th layer."""
+    selective_every_n_layers: int = 2
+    """With mode=selective: checkpoint one decoder layer out of this many."""
+    preserve_rng_state: bool = False
+    """Replay RNG state on recompute (only needed with dropout)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CompileConfig:
+    """torch.compile, applied per decoder layer."""
+
+    enable: bool = False
+    """Compile each decoder layer with torch.compile."""
+    backend: str = "inductor"
+    """torch.compile backend name."""
+    fullgraph: bool = False
+    """Ask torch.compile for a single graph per layer (errors on graph breaks)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CommConfig:
+    """Process-group set-up."""
+
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Collective backend; `auto` picks nccl when CUDA is available, else gloo."""
+    init_timeout_seconds: int = 300
+    """Timeout of the first collectives (process-group creation and warm-up)."""
+    train_timeout_seconds: int = 600
+    """Timeout of every collective after the first step."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DebugConfig:
+    """Reproducibility and debugging switches."""
+
+    seed: int = 0
+    """Seed of every RNG (model init, data order, dropout)."""
+    deterministic: bool = False
+    """Use deterministic algorithms (bitwise-repeatable runs on CPU)."""
+    detect_anomaly: bool = False
+    """Run autograd anomaly detection (slow)."""
+    extra: dict[str, str] = field(default_factory=dict)
+    """Free-form debug switches for experiments (not read by the library)."""

@@ -1,0 +1,1 @@
+"""Model packages; each registers its ModelSpec from its __init__."""

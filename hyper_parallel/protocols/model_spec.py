@@ -1,0 +1,69 @@
+"""``ModelSpec`` and the registry of model packages."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ModelSpec", "discover_model_spec", "get_spec", "list_specs", "register_spec"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Everything the trainer needs to know about one model package."""
+
+    name: str
+    """Registered name (``glm_image_moe``)."""
+    model: type
+    """The ``BaseModel`` subclass; ``model.Config`` is its config type."""
+    parallelize_fn: Callable[..., Any]
+    """``parallelize_<name>(model, *, parallel_dims, training, parallelism, ac_config, compile_config)``."""
+    state_dict_adapter: type | None = None
+    """``BaseStateDictAdapter`` subclass converting our state dict to and from the HF format."""
+    flavor: str = ""
+    """Default recipe of the package (``glm_image_moe_debug``)."""
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Package-specific hooks (HF loaders, batch adapters ...)."""
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+
+
+def register_spec(name: str, spec: ModelSpec, *, aliases: tuple[str, ...] = ()) -> None:
+    """Register ``spec`` under ``name`` (and aliases); re-registering the same spec is a no-op."""
+    for key in (name, *aliases):
+        old = _REGISTRY.get(key)
+        if old is not None and old is not spec and old.model is not spec.model:
+            raise ValueError(f"model spec {key!r} is already registered by {old.model.__module__}")
+        _REGISTRY[key] = spec
+
+
+def get_spec(name: str) -> ModelSpec:
+    """The registered spec ``name``; the error lists the registered names."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"no model spec {name!r}; registered: {', '.join(sorted(_REGISTRY)) or '(none)'}") from None
+
+
+def list_specs() -> list[str]:
+    """Names of every registered spec."""
+    return sorted(_REGISTRY)
+
+
+def discover_model_spec(name: str) -> ModelSpec:
+    """Import ``hyper_parallel.models.<name>`` (or ``<name>_v2``) on demand and return its spec."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    for candidate in (f"hyper_parallel.models.{name}", f"hyper_parallel.models.{name}_v2"):
+        try:
+            importlib.import_module(candidate)
+        except ModuleNotFoundError as e:
+            if e.name is None or not (candidate == e.name or candidate.startswith(e.name + ".")):
+                raise
+            continue
+        if name in _REGISTRY:
+            return _REGISTRY[name]
+    return get_spec(name)
