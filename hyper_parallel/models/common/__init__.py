@@ -1,0 +1,1 @@
+"""Common model blocks shared by every model package."""
