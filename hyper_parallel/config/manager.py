@@ -217,7 +217,8 @@ class ConfigManager:
                 args=argv,
                 prog=f"--module {module} --config {recipe}",
                 description=f"Run config of recipe {module}.{recipe}; every field can be overridden.",
-                config=(tyro.conf.FlagConversionOff,),
+                config=(tyro.conf.FlagConversionOff, tyro.conf.AvoidSubcommands),
+                use_underscores=True,
             )
         validate = getattr(config, "validate", None)
         if callable(validate):
