@@ -16,6 +16,9 @@ class TrainingConfig:
     """Dtype FSDP casts parameters to for forward/backward compute."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype FSDP reduce-scatters gradients in."""
+    moe_bias_update_rate: float = 0.0
+    """Aux-loss-free load balancing: after each step move every router's e_score_correction_bias by this
+    rate towards equal expert load (DeepSeek-V3); 0 disables it."""
     on_nonfinite: Literal["error", "skip"] = "error"
     """A NaN/inf loss or grad norm: `error` stops naming the step, `skip` drops that step's update."""
 

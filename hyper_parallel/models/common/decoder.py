@@ -1,0 +1,122 @@
+"""``Decoder``: a decoder-only LM (HF ``Glm4MoeLiteModel`` + ``lm_head``) built from ``TransformerBlock``s.
+
+The forward is split into overridable steps so a subclass replaces only what differs (GlmImageMoe
+replaces ``embed`` with the text + VQ-image embedding):
+
+    logits = head(forward_layers(embed(input_ids), position_ids=..., cu_seqlens=..., max_seqlen=...))
+
+RoPE tables are computed once per forward and shared by every layer; packed documents
+(``cu_seqlens`` over the flattened ``B*T`` stream) never attend to each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hyper_parallel.models.common.attention import AttentionMeta
+from hyper_parallel.models.common.block import TransformerBlock
+from hyper_parallel.models.common.embedding import Embedding
+from hyper_parallel.models.common.linear import Linear
+from hyper_parallel.models.common.moe import MoE
+from hyper_parallel.models.common.rmsnorm import RMSNorm
+from hyper_parallel.models.common.rope import RoPE
+from hyper_parallel.protocols.model import BaseModel
+from hyper_parallel.protocols.module import ModuleList
+
+__all__ = ["Decoder"]
+
+
+class Decoder(BaseModel):
+    """Token embedding, RoPE, a stack of blocks, final norm and the LM head (untied)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseModel.Config):
+        vocab_size: int
+        """Rows of the embedding table and of the LM head."""
+        dim: int
+        """Model (hidden) dimension, handed to every child at build time."""
+        layers: list[TransformerBlock.Config]
+        """One config per decoder layer (``layers.{i}``); all must share the RoPE head dim."""
+        embed_tokens: Embedding.Config = field(default_factory=Embedding.Config)
+        """Token embedding ``[vocab_size, dim]``."""
+        rope: RoPE.Config = field(default_factory=RoPE.Config)
+        """Rotary embedding, built with the attention's rope head dim."""
+        norm: RMSNorm.Config = field(default_factory=RMSNorm.Config)
+        """Final norm."""
+        lm_head: Linear.Config = field(default_factory=Linear.Config)
+        """Output projection ``[vocab_size, dim]``."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        if not config.layers:
+            raise ValueError("Decoder.Config.layers is empty: give at least one TransformerBlock.Config")
+        self.embed_tokens = config.embed_tokens.build(num_embeddings=config.vocab_size, embedding_dim=config.dim)
+        layers = [layer.build(dim=config.dim) for layer in config.layers]
+        rope_dims = {layer.self_attn.rope_head_dim for layer in layers}
+        if len(rope_dims) != 1:
+            raise ValueError(f"Decoder.Config.layers disagree on the RoPE head dim ({sorted(rope_dims)}); use one")
+        self.rope = config.rope.build(head_dim=rope_dims.pop())
+        self.layers = ModuleList(layers)
+        self.norm = config.norm.build(dim=config.dim)
+        self.lm_head = config.lm_head.build(in_features=config.dim, out_features=self.lm_head_out_features())
+
+    def lm_head_out_features(self) -> int:
+        """Rows of the LM head; a multimodal subclass adds its output vocabulary here."""
+        return self.config.vocab_size
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` token ids -> ``[B, T, dim]`` hidden states (the step multimodal subclasses replace)."""
+        return self.embed_tokens(input_ids)
+
+    def forward_layers(
+        self,
+        h_BTD: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+    ) -> torch.Tensor:
+        """Run every block. ``position_ids`` default: ``arange`` per row, or restarting per document."""
+        B, T, _ = h_BTD.shape
+        meta = AttentionMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        if position_ids is None:
+            position_ids = meta.position_ids(B, T, device=h_BTD.device)
+        rope_cos_sin = self.rope(position_ids, h_BTD.dtype)
+        for layer in self.layers:
+            h_BTD = layer(h_BTD, rope_cos_sin=rope_cos_sin, meta=meta)
+        return h_BTD
+
+    def head(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: ``[B, T, dim]`` -> logits ``[B, T, vocab_size]``."""
+        return self.lm_head(self.norm(h_BTD))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+    ) -> torch.Tensor:
+        """``[B, T]`` ids -> logits ``[B, T, vocab_size]``; ``cu_seqlens`` (int32, flattened stream) packs documents."""
+        h = self.embed(input_ids)
+        h = self.forward_layers(h, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        return self.head(h)
+
+    def get_nparams_and_flops(self, seq_len: int) -> tuple[int, float]:
+        """``(total params, training FLOPs per token)``: ``6 * active non-embedding params + attention``.
+
+        Active = every parameter except the embedding table, with each MoE layer's routed experts
+        counted at ``top_k / num_experts`` (a token visits top_k of them). The attention term is
+        torchtitan's ``12 * H * d * T`` per layer (no causal or packing discount).
+        """
+        total = sum(p.numel() for p in self.parameters())
+        active = float(total - self.embed_tokens.weight.numel())
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoE):
+                routed = sum(p.numel() for p in layer.mlp.experts.parameters())
+                active -= routed * (1.0 - layer.mlp.config.gate.top_k / layer.mlp.config.num_experts)
+        attention = sum(layer.self_attn.attention_flops_per_token(seq_len) for layer in self.layers)
+        return total, 6.0 * active + attention

@@ -1,0 +1,101 @@
+"""GlmImageMoe (v2 model package): Glm4MoeLite layers + the DirectToken VQ image path.
+
+Registers the ``glm_image_moe`` spec (alias ``glm_image_moe_v2``) and offers HF I/O:
+``from_pretrained(path)`` reads a GlmImageMoe or a plain Glm4MoeLite HF folder;
+``save_pretrained(model, path)`` writes the GlmImageMoe HF format (``text_only=True``: Glm4MoeLite).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from hyper_parallel.models.glm_image_moe_v2.model import GlmImageMoeModel, glm_image_moe_config
+from hyper_parallel.models.glm_image_moe_v2.state_dict import (
+    CheckpointKeyError,
+    GlmImageMoeStateDictAdapter,
+    load_hf_weights,
+    read_hf_config,
+    save_hf_state_dict,
+)
+from hyper_parallel.protocols.model_spec import ModelSpec, register_spec
+
+__all__ = [
+    "CheckpointKeyError",
+    "GlmImageMoeModel",
+    "GlmImageMoeStateDictAdapter",
+    "from_pretrained",
+    "glm_image_moe_config",
+    "save_pretrained",
+]
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    **config_overrides: Any,
+) -> GlmImageMoeModel:
+    """Build a GlmImageMoeModel from an HF folder (GlmImageMoe or plain Glm4MoeLite; sharded or single).
+
+    ``config_overrides`` replace top-level fields of the model config (e.g. ``codebook_size`` for a
+    text-only checkpoint). Parts a Glm4MoeLite checkpoint lacks (codebook, projection, image head
+    rows) keep their seeded initialisation.
+    """
+    config = GlmImageMoeModel.Config.from_hf(read_hf_config(path))
+    if config_overrides:
+        import dataclasses
+
+        config = dataclasses.replace(config, **config_overrides)
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device=device)
+    model.init_weights()
+    load_hf_weights(model, path)
+    return model.to(dtype=dtype)
+
+
+def save_pretrained(
+    model: GlmImageMoeModel,
+    path: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    text_only: bool = False,
+    dtype: torch.dtype | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> list[str]:
+    """Write ``model`` (or ``state_dict``, e.g. EMA weights) as an HF folder with ``config.json``.
+
+    ``text_only=True`` writes the backbone and head rows ``[0, V)`` as a plain Glm4MoeLite checkpoint
+    that ``transformers.Glm4MoeLiteForCausalLM.from_pretrained`` loads.
+    """
+    return save_hf_state_dict(
+        model.config,
+        state_dict if state_dict is not None else model.state_dict(),
+        path,
+        max_shard_size=max_shard_size,
+        text_only=text_only,
+        passthrough=getattr(model, "hf_passthrough", None),
+        dtype=dtype,
+    )
+
+
+def _parallelize(model: GlmImageMoeModel, **kwargs: Any) -> GlmImageMoeModel:
+    # parallelize.py imports the distributed stack; keep `import hyper_parallel.models.glm_image_moe_v2` light.
+    from hyper_parallel.models.glm_image_moe_v2.parallelize import parallelize_glm_image_moe
+
+    return parallelize_glm_image_moe(model, **kwargs)
+
+
+GLM_IMAGE_MOE_SPEC = ModelSpec(
+    name="glm_image_moe",
+    model=GlmImageMoeModel,
+    parallelize_fn=_parallelize,
+    state_dict_adapter=GlmImageMoeStateDictAdapter,
+    flavor="glm_image_moe_debug",
+    extras={"from_pretrained": from_pretrained, "save_pretrained": save_pretrained, "load_hf_weights": load_hf_weights},
+)
+register_spec("glm_image_moe", GLM_IMAGE_MOE_SPEC, aliases=("glm_image_moe_v2",))

@@ -1,0 +1,65 @@
+"""Recipes of GlmImageMoe runs: plain functions returning ``Trainer.Config``; variants call and change another.
+
+    python -m hyper_parallel.train --module glm_image_moe --config glm_image_moe_debug
+"""
+
+from __future__ import annotations
+
+from hyper_parallel.components import CheckpointManager, LRSchedulersContainer, MetricsProcessor, OptimizersContainer
+from hyper_parallel.config import ParallelismConfig, TrainingConfig
+from hyper_parallel.data import TokenDataLoader
+from hyper_parallel.models.glm_image_moe_v2.model import glm_image_moe_config
+from hyper_parallel.trainer import Trainer
+
+__all__ = ["glm_image_moe_a3b", "glm_image_moe_a3b_ep8", "glm_image_moe_debug"]
+
+
+def glm_image_moe_debug() -> Trainer.Config:
+    """Tiny GlmImageMoe on the embedded toy DirectToken corpus; trains on a laptop CPU in seconds per step."""
+    model = glm_image_moe_config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
+        topk_group=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        codebook_size=256, vq_embed_dim=32, placeholder_token_id=511, image_start_token_id=509,
+        image_end_token_id=510, rope_theta=10000.0,
+    )  # fmt: skip
+    return Trainer.Config(
+        model_spec="glm_image_moe",
+        model=model,
+        training=TrainingConfig(steps=120, max_norm=1.0),
+        data=TokenDataLoader.Config(max_tokens_per_microbatch=512, global_batch_tokens=1024, shuffle_buffer=256),
+        optimizer=OptimizersContainer.Config(name="adamw", lr=3e-3, weight_decay=0.01),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=10, decay_type="cosine", min_lr_ratio=0.1),
+        checkpoint=CheckpointManager.Config(enable=True, interval=50, keep_latest_k=2, export_hf=True, export_dtype="float32"),
+        metrics=MetricsProcessor.Config(log_freq=10),
+    )
+
+
+def glm_image_moe_a3b() -> Trainer.Config:
+    """GLM-4.7-Flash dimensions (30B total, ~3B active) with the GlmImage VQ path, bf16 FSDP."""
+    model = glm_image_moe_config(
+        vocab_size=154880, hidden_size=2048, intermediate_size=10240, moe_intermediate_size=1536,
+        num_hidden_layers=47, num_attention_heads=20, n_routed_experts=64, num_experts_per_tok=4,
+        n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=True,
+        q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
+        codebook_size=16384, vq_embed_dim=2048, placeholder_token_id=154879, rope_theta=1000000.0,
+        rms_norm_eps=1e-5,
+    )  # fmt: skip
+    return Trainer.Config(
+        model_spec="glm_image_moe",
+        model=model,
+        training=TrainingConfig(steps=10000, max_norm=1.0, mixed_precision_param="bfloat16"),
+        parallelism=ParallelismConfig(data_parallel_shard_degree=-1),
+        data=TokenDataLoader.Config(max_tokens_per_microbatch=8192, global_batch_tokens=0, num_workers=2),
+        optimizer=OptimizersContainer.Config(name="adamw", lr=2e-5, weight_decay=0.1),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=200, decay_type="cosine", min_lr_ratio=0.1),
+        checkpoint=CheckpointManager.Config(enable=True, interval=500, keep_latest_k=3, async_mode="async"),
+        metrics=MetricsProcessor.Config(log_freq=10),
+    )
+
+
+def glm_image_moe_a3b_ep8() -> Trainer.Config:
+    """``glm_image_moe_a3b`` with the 64 routed experts spread over 8 expert-parallel ranks."""
+    cfg = glm_image_moe_a3b()
+    cfg.parallelism.expert_parallel_degree = 8
+    return cfg

@@ -1,0 +1,291 @@
+"""GlmImageMoe <-> HF checkpoint keys (DESIGN.md section 4).
+
+Ours (in memory)                          HF GlmImageMoe (on disk)
+  embed_tokens.weight                       model.language_model.embed_tokens.weight
+  layers.{i}.<...>                          model.language_model.layers.{i}.<...>
+  layers.{i}.mlp.experts.gate_up_proj       model.language_model.layers.{i}.mlp.experts.{e}.{gate,up}_proj.weight
+  layers.{i}.mlp.experts.down_proj          model.language_model.layers.{i}.mlp.experts.{e}.down_proj.weight
+  norm.weight                               model.language_model.norm.weight
+  vq_codebook.weight                        model.vqmodel.quantize.embedding.weight
+  vq_to_llm_proj.{weight,bias}              model.vq_to_llm_proj.{weight,bias}
+  lm_head.weight [V + C, H]                 lm_head.weight [V + C, H]
+
+A plain Glm4MoeLite checkpoint (``model.*``, ``lm_head.weight [V, H]``) maps to the backbone and head
+rows ``[0, V)``; the image parts are then left to the caller's initialisation. Keys of layers at or
+beyond ``num_hidden_layers`` (the MTP layer) are ignored; other ``model.vqmodel.*`` keys pass through.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hyper_parallel.protocols.state_dict_adapter import BaseStateDictAdapter, read_safetensors, write_safetensors
+
+__all__ = [
+    "CheckpointKeyError",
+    "GlmImageMoeStateDictAdapter",
+    "HFLoadResult",
+    "load_hf_weights",
+    "read_hf_config",
+    "save_hf_state_dict",
+]
+
+_LM = "model.language_model."
+_CODEBOOK_HF = "model.vqmodel.quantize.embedding.weight"
+_EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.")
+
+
+class CheckpointKeyError(KeyError):
+    """Missing, unexpected or wrongly shaped checkpoint keys; the message lists all of them."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0])
+
+
+@dataclass
+class HFLoadResult:
+    """What ``from_hf_checked`` produced."""
+
+    state_dict: dict[str, torch.Tensor]
+    """Our keys -> tensors (head rows [V, V+C) absent for a plain Glm4MoeLite checkpoint)."""
+    source_format: str
+    """``glm_image_moe`` or ``glm4_moe_lite``."""
+    partial_head: torch.Tensor | None = None
+    """For a plain Glm4MoeLite checkpoint: its ``lm_head [V, H]`` (head rows [0, V))."""
+    passthrough: dict[str, torch.Tensor] = field(default_factory=dict)
+    """HF keys we do not model (other ``model.vqmodel.*``), to write back unchanged."""
+    ignored: list[str] = field(default_factory=list)
+    """HF keys deliberately dropped (MTP layers)."""
+
+
+class GlmImageMoeStateDictAdapter(BaseStateDictAdapter):
+    """Converts a GlmImageMoe state dict to and from the HF formats of DESIGN.md section 4."""
+
+    def __init__(self, model_config: Any, **runtime_objects: Any) -> None:
+        super().__init__(model_config, **runtime_objects)
+        self.num_layers = len(model_config.layers)
+        self.lang_vocab_size = model_config.vocab_size
+
+    # ---- ours -> HF -------------------------------------------------------------------------
+    def to_hf(
+        self, state_dict: dict[str, torch.Tensor], *, passthrough: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Our keys -> GlmImageMoe HF keys (experts split per expert)."""
+        out: dict[str, torch.Tensor] = {}
+        for key, t in state_dict.items():
+            if key == "vq_codebook.weight":
+                out[_CODEBOOK_HF] = t
+            elif key.startswith("vq_to_llm_proj."):
+                out["model." + key] = t
+            elif key == "lm_head.weight":
+                out[key] = t
+            else:
+                out.update(self._backbone_to_hf(key, t, _LM))
+        out.update(passthrough or {})
+        return out
+
+    def to_hf_text_only(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Backbone + head rows [0, V) as a plain Glm4MoeLite checkpoint."""
+        out: dict[str, torch.Tensor] = {}
+        for key, t in state_dict.items():
+            if key.startswith(("vq_codebook.", "vq_to_llm_proj.")):
+                continue
+            if key == "lm_head.weight":
+                out[key] = t[: self.lang_vocab_size]
+            else:
+                out.update(self._backbone_to_hf(key, t, "model."))
+        return out
+
+    @staticmethod
+    def _backbone_to_hf(key: str, t: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
+        if key.endswith("mlp.experts.gate_up_proj"):
+            base = prefix + key[: -len("gate_up_proj")]
+            half = t.shape[1] // 2
+            out = {}
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = t[e, :half]
+                out[f"{base}{e}.up_proj.weight"] = t[e, half:]
+            return out
+        if key.endswith("mlp.experts.down_proj"):
+            base = prefix + key[: -len("down_proj")]
+            return {f"{base}{e}.down_proj.weight": t[e] for e in range(t.shape[0])}
+        return {prefix + key: t}
+
+    # ---- HF -> ours -------------------------------------------------------------------------
+    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF keys -> our keys (either HF format); see ``from_hf_checked`` for the details."""
+        return self.from_hf_checked(hf_state_dict).state_dict
+
+    def from_hf_checked(
+        self, hf_state_dict: dict[str, torch.Tensor], expected: dict[str, torch.Size] | None = None
+    ) -> HFLoadResult:
+        """Convert, and with ``expected`` (our key -> shape) check every key and shape.
+
+        Raises one ``CheckpointKeyError`` listing every missing, unexpected and mis-shaped key.
+        """
+        is_image = any(k.startswith(_LM) for k in hf_state_dict)
+        prefix = _LM if is_image else "model."
+        result = HFLoadResult(state_dict={}, source_format="glm_image_moe" if is_image else "glm4_moe_lite")
+        unexpected: list[str] = []
+        experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+        for key, t in hf_state_dict.items():
+            if key == _CODEBOOK_HF:
+                result.state_dict["vq_codebook.weight"] = t
+            elif key.startswith("model.vqmodel."):
+                result.passthrough[key] = t
+            elif key.startswith("model.vq_to_llm_proj."):
+                result.state_dict[key[len("model.") :]] = t
+            elif key == "lm_head.weight":
+                if is_image:
+                    result.state_dict[key] = t
+                else:
+                    result.partial_head = t
+            elif key.startswith(prefix):
+                ours = key[len(prefix) :]
+                m = _LAYER_RE.match(ours)
+                if m and int(m.group(1)) >= self.num_layers:
+                    result.ignored.append(key)  # the MTP layer(s) beyond num_hidden_layers
+                    continue
+                em = _EXPERT_RE.match(ours)
+                if em:
+                    layer, e, proj = int(em.group(1)), int(em.group(2)), em.group(3)
+                    experts.setdefault((layer, proj), {})[e] = t
+                else:
+                    result.state_dict[ours] = t
+            else:
+                unexpected.append(key)
+        missing_experts = self._fuse_experts(experts, result.state_dict, prefix)
+        if expected is not None or unexpected or missing_experts:
+            self._check(result, expected or {}, unexpected, missing_experts, check_keys=expected is not None)
+        return result
+
+    @staticmethod
+    def _fuse_experts(
+        experts: dict[tuple[int, str], dict[int, torch.Tensor]], out: dict[str, torch.Tensor], prefix: str
+    ) -> list[str]:
+        missing: list[str] = []
+        layers = sorted({layer for layer, _ in experts})
+        for layer in layers:
+            parts = {proj: experts.get((layer, proj), {}) for proj in ("gate_proj", "up_proj", "down_proj")}
+            n = max(max(p) + 1 if p else 0 for p in parts.values())
+            for proj, per in parts.items():
+                for e in range(n):
+                    if e not in per:
+                        missing.append(f"{prefix}layers.{layer}.mlp.experts.{e}.{proj}.weight")
+            if missing:
+                continue
+            gate = torch.stack([parts["gate_proj"][e] for e in range(n)])
+            up = torch.stack([parts["up_proj"][e] for e in range(n)])
+            out[f"layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
+            out[f"layers.{layer}.mlp.experts.down_proj"] = torch.stack([parts["down_proj"][e] for e in range(n)])
+        return missing
+
+    def _check(
+        self,
+        result: HFLoadResult,
+        expected: dict[str, torch.Size],
+        unexpected: list[str],
+        missing_experts: list[str],
+        *,
+        check_keys: bool,
+    ) -> None:
+        problems: list[str] = [f"missing: {k}" for k in missing_experts]
+        problems += [f"unexpected: {k}" for k in unexpected]
+        if check_keys:
+            optional = set() if result.source_format == "glm_image_moe" else {
+                "vq_codebook.weight", "vq_to_llm_proj.weight", "vq_to_llm_proj.bias", "lm_head.weight"
+            }
+            for key in sorted(expected.keys() - result.state_dict.keys() - optional):
+                problems.append(f"missing: {key}")
+            for key in sorted(result.state_dict.keys() - expected.keys()):
+                problems.append(f"unexpected: {key}")
+            for key in sorted(result.state_dict.keys() & expected.keys()):
+                got, want = tuple(result.state_dict[key].shape), tuple(expected[key])
+                if got != want:
+                    problems.append(f"shape: {key} is {list(got)}, the model expects {list(want)}")
+            if result.partial_head is None and result.source_format == "glm4_moe_lite":
+                problems.append("missing: lm_head.weight")
+            elif result.partial_head is not None and "lm_head.weight" in expected:
+                want = (self.lang_vocab_size, expected["lm_head.weight"][1])
+                if tuple(result.partial_head.shape) != want:
+                    problems.append(
+                        f"shape: lm_head.weight is {list(result.partial_head.shape)}, "
+                        f"a Glm4MoeLite head for this model must be {list(want)}"
+                    )
+        if problems:
+            raise CheckpointKeyError(
+                f"checkpoint ({result.source_format} format) does not fit the model: {len(problems)} problem(s):\n  "
+                + "\n  ".join(problems)
+            )
+
+
+# ---- HF folders: from_pretrained / save_pretrained ----------------------------------------------
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """``config.json`` of an HF folder, with an error naming the file when it is absent or broken."""
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise FileNotFoundError(f"{f} does not exist: an HF checkpoint folder needs its config.json")
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f} is not valid JSON: {e}") from e
+
+
+def load_hf_weights(model: Any, path: str | os.PathLike) -> HFLoadResult:
+    """Load an HF folder's safetensors (either format, sharded or single) into ``model`` in place.
+
+    Every key and shape is checked first; one error lists all problems. A plain Glm4MoeLite
+    checkpoint fills the backbone and head rows ``[0, V)`` and leaves the image parts as they are.
+    """
+    adapter = GlmImageMoeStateDictAdapter(model.config)
+    ours = model.state_dict()
+    expected = {k: v.shape for k, v in ours.items()}
+    result = adapter.from_hf_checked(read_safetensors(path), expected=expected)
+    with torch.no_grad():
+        for key, t in result.state_dict.items():
+            ours[key].copy_(t)
+        if result.partial_head is not None:
+            ours["lm_head.weight"][: adapter.lang_vocab_size].copy_(result.partial_head)
+    model.hf_passthrough = dict(result.passthrough)
+    return result
+
+
+def save_hf_state_dict(
+    config: Any,
+    state_dict: dict[str, torch.Tensor],
+    path: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    text_only: bool = False,
+    passthrough: dict[str, torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+) -> list[str]:
+    """Write ``state_dict`` (our keys, full tensors) + ``config.json`` as an HF folder."""
+    adapter = GlmImageMoeStateDictAdapter(config)
+    sd = {k: _full(v) for k, v in state_dict.items()}
+    hf = adapter.to_hf_text_only(sd) if text_only else adapter.to_hf(sd, passthrough=passthrough)
+    if dtype is not None:
+        # the router stays fp32 (HF keeps it fp32 too: _keep_in_fp32_modules_strict)
+        hf = {k: v if k.endswith(("mlp.gate.weight", "e_score_correction_bias")) else v.to(dtype) for k, v in hf.items()}
+    path = Path(path)
+    files = write_safetensors(hf, path, max_shard_size=max_shard_size)
+    hf_config = config.to_hf(text_only=text_only)
+    hf_config["torch_dtype"] = str(dtype or next(iter(hf.values())).dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
+    return files + ["config.json"]

@@ -1,0 +1,405 @@
+"""The Trainer: builds a whole run from ``Trainer.Config`` and runs the training loop.
+
+Order of construction (nothing heavy happens before the layout is validated):
+process group -> ParallelDims (validated against world size and model facts) -> mesh -> model on the
+meta device -> parallelize (CP -> TP -> EP -> AC -> compile -> FSDP) -> materialise and initialise (or
+load HF weights) -> data -> optimizer, LR schedule, EMA -> checkpoint manager (resume) -> metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from hyper_parallel.components import (
+    EMA,
+    CheckpointManager,
+    CrossEntropyLoss,
+    LRSchedulersContainer,
+    MetricsProcessor,
+    OptimizersContainer,
+    assert_finite,
+)
+from hyper_parallel.config import (
+    ActivationCheckpointConfig,
+    CommConfig,
+    CompileConfig,
+    Configurable,
+    DebugConfig,
+    ParallelismConfig,
+    TrainingConfig,
+)
+from hyper_parallel.data import TokenDataLoader
+from hyper_parallel.distributed.env import init_distributed, set_determinism, set_pg_timeouts, world_info
+from hyper_parallel.distributed.parallel_dims import ParallelDims
+from hyper_parallel.distributed.utils import clip_grad_norm_, dist_sum
+from hyper_parallel.protocols.model import BaseModel
+from hyper_parallel.protocols.model_spec import ModelSpec, discover_model_spec
+
+__all__ = ["NonFiniteError", "Trainer"]
+
+logger = logging.getLogger("hyper_parallel")
+
+# A full copy of the model is initialised on every rank (then sharded) when it is at most this big,
+# so that every parallel layout starts from bit-identical weights; bigger models initialise in place.
+_FULL_INIT_MAX_BYTES = 4 << 30
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient norm of a step was NaN/inf."""
+
+
+class Trainer(Configurable):
+    """A training run. ``Trainer.Config`` is the whole run config a recipe returns."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Configurable.Config):
+        model_spec: str = "glm_image_moe"
+        """Registered model spec (the model package's parallelize function and HF adapter)."""
+        model: BaseModel.Config
+        """The model's config tree (the recipe builds it with the package's flavor builder)."""
+        training: TrainingConfig = field(default_factory=TrainingConfig)
+        """Training loop options."""
+        parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+        """Parallel layout."""
+        activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+        """Activation checkpointing per decoder layer."""
+        compile: CompileConfig = field(default_factory=CompileConfig)
+        """torch.compile per decoder layer."""
+        comm: CommConfig = field(default_factory=CommConfig)
+        """Process-group set-up."""
+        debug: DebugConfig = field(default_factory=DebugConfig)
+        """Seeds and determinism."""
+        data: TokenDataLoader.Config = field(default_factory=TokenDataLoader.Config)
+        """Training data (DirectToken shards, the embedded toy corpus, or preset batches)."""
+        optimizer: OptimizersContainer.Config = field(default_factory=OptimizersContainer.Config)
+        """Optimizer (AdamW, or Muon for hidden matrices with AdamW for the rest)."""
+        lr_scheduler: LRSchedulersContainer.Config = field(default_factory=LRSchedulersContainer.Config)
+        """Warmup and decay of the learning rate."""
+        loss: CrossEntropyLoss.Config = field(default_factory=CrossEntropyLoss.Config)
+        """Token cross entropy (exact global token mean over micro-batches and ranks)."""
+        ema: EMA.Config = field(default_factory=EMA.Config)
+        """Exponential moving average of the trainable weights."""
+        checkpoint: CheckpointManager.Config = field(default_factory=CheckpointManager.Config)
+        """DCP checkpoints, resume, HF import and export."""
+        metrics: MetricsProcessor.Config = field(default_factory=MetricsProcessor.Config)
+        """Console, metrics.jsonl, TensorBoard and the loss curve."""
+        dump_folder: str = "outputs"
+        """Folder for checkpoints, metrics.jsonl, plots and the HF export (relative to the current folder)."""
+
+        def validate(self) -> None:
+            """Cheap checks of the run config that need no process group."""
+            if self.training.steps < 1:
+                raise ValueError(f"training.steps={self.training.steps} must be >= 1")
+            if self.training.moe_bias_update_rate < 0:
+                raise ValueError(f"training.moe_bias_update_rate={self.training.moe_bias_update_rate} must be >= 0")
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.config: Trainer.Config = config
+        config.validate()
+        self.device = init_distributed(config.comm)
+        self.rank, _, self.world_size = world_info()
+        set_determinism(config.debug.seed, deterministic=config.debug.deterministic)
+        torch.autograd.set_detect_anomaly(config.debug.detect_anomaly)
+        self.spec: ModelSpec = discover_model_spec(config.model_spec)
+
+        # 1. layout, validated before anything is built
+        self.parallel_dims = ParallelDims.from_config(config.parallelism, self.world_size)
+        self._validate_model_layout()
+        self.parallel_dims.build_mesh(self.device.type)
+
+        # 2. model: meta -> parallelize -> materialise -> init or load
+        with torch.device("meta"):
+            model = config.model.build()
+        nparams, self.flops_per_token = model.get_nparams_and_flops(config.data.max_tokens_per_microbatch)
+        self._log(f"model {config.model_spec}: {nparams:,} parameters, {self.flops_per_token:.3g} training FLOPs/token")
+        model = self.spec.parallelize_fn(
+            model,
+            parallel_dims=self.parallel_dims,
+            training=config.training,
+            parallelism=config.parallelism,
+            ac_config=config.activation_checkpoint,
+            compile_config=config.compile,
+        )
+        model.to_empty(device=self.device)
+        self.model: nn.Module = model
+        self._init_weights()
+        self.model.train()
+
+        # 3. data, loss, optimizer, schedule, EMA
+        mc = config.model
+        self.dp_rank, self.dp_world = self._dp_coordinates()
+        self.data = config.data.build(
+            dp_rank=self.dp_rank,
+            dp_world_size=self.dp_world,
+            lang_vocab_size=mc.vocab_size,
+            codebook_size=getattr(mc, "codebook_size", 0),
+            placeholder_token_id=getattr(mc, "placeholder_token_id", -1),
+        )
+        self.loss_fn = config.loss.build()
+        self.optimizers = config.optimizer.build(model_parts=[self.model])
+        self.lr_schedulers = config.lr_scheduler.build(optimizers=self.optimizers, total_steps=config.training.steps)
+        self.ema = config.ema.build(model=self.model)
+
+        # 4. checkpoints (resume from the newest complete one), metrics
+        self.step = 0
+        self.dump_folder = Path(config.dump_folder)
+        self.checkpointer = config.checkpoint.build(
+            dump_folder=self.dump_folder,
+            model_parts=[self.model],
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            states={"ema": self.ema},
+            rank_states={"dataloader": self.data},
+            run_config=config,
+        )
+        resumed = self.checkpointer.load_latest()
+        if resumed is not None:
+            self.step = resumed
+            self._log(f"resumed from {self.checkpointer.step_dir(resumed)} at step {resumed}")
+        self.metrics = config.metrics.build(
+            dump_folder=self.dump_folder,
+            total_steps=config.training.steps,
+            flops_per_token=self.flops_per_token,
+            device=self.device,
+            compute_dtype=torch.float32 if config.training.mixed_precision_param == "float32" else torch.bfloat16,
+        )
+
+    # ------------------------------------------------------------------ construction helpers
+    def _validate_model_layout(self) -> None:
+        mc = self.config.model
+        layers = getattr(mc, "layers", [])
+        attn = layers[0].self_attn if layers else None
+        moe = next((layer.mlp for layer in layers if hasattr(layer.mlp, "num_experts")), None)
+        if attn is None:
+            return
+        self.parallel_dims.validate_model(
+            n_heads=attn.n_heads,
+            n_kv_heads=getattr(attn, "n_kv_heads", None),
+            n_routed_experts=moe.num_experts if moe is not None else None,
+        )
+
+    def _dp_coordinates(self) -> tuple[int, int]:
+        pd = self.parallel_dims
+        if pd.dp == 1:
+            return 0, 1
+        return pd.mesh_coordinate("dp"), pd.dp
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        """Initialise every parameter; identical across layouts for models up to a few GiB."""
+        cc = self.config.checkpoint
+        nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self.world_size > 1 and nbytes <= _FULL_INIT_MAX_BYTES:
+            # Same seed, same full tensors on every rank, then each rank keeps its own shard.
+            torch.manual_seed(self.config.debug.seed)
+            full = self.config.model.build()
+            full.init_weights()
+            if cc.initial_load_path:
+                self.spec.extras["load_hf_weights"](full, cc.initial_load_path)
+            set_model_state_dict(self.model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
+            _init_buffers(self.model)
+            del full
+        else:
+            torch.manual_seed(self.config.debug.seed)
+            self.model.init_weights()
+            if cc.initial_load_path:
+                if self.world_size > 1:
+                    raise NotImplementedError(
+                        "checkpoint.initial_load_path for a model this large under several ranks needs a sharded "
+                        "HF loader; convert it once with a single process and resume from DCP instead"
+                    )
+                self.spec.extras["load_hf_weights"](self.model, cc.initial_load_path)
+        if cc.initial_load_path:
+            self._log(f"initialised from HF checkpoint {cc.initial_load_path}")
+
+    def _log(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"[hyper_parallel] {msg}", flush=True)
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> dict[str, Any]:
+        """Run until ``training.steps``; return a summary (first/last loss, steps run)."""
+        cfg = self.config
+        first_loss = last_loss = None
+        losses: list[float] = []
+        self.metrics.reset_timer()
+        while self.step < cfg.training.steps:
+            self.step += 1
+            stats = self.train_step()
+            losses.append(stats["loss"])
+            first_loss = stats["loss"] if first_loss is None else first_loss
+            last_loss = stats["loss"]
+            if self.metrics.should_log(self.step) or self.step == cfg.training.steps:
+                self.metrics.log(
+                    self.step,
+                    loss=stats["loss"],
+                    grad_norm=stats["grad_norm"],
+                    lr=stats["lr"],
+                    num_tokens=stats["num_tokens"],
+                    expert_load=stats["expert_load"],
+                    extra=stats["extra"],
+                )
+            if self.step == 1 and self.world_size > 1:
+                set_pg_timeouts(cfg.comm.train_timeout_seconds, self.parallel_dims.world_mesh)
+            last = self.step == cfg.training.steps
+            if self.checkpointer.should_save(self.step, last_step=last):
+                assert_finite(self.model)  # never write a poisoned checkpoint
+                self.checkpointer.save(self.step, last_step=last)
+        if cfg.checkpoint.export_hf:
+            self.export_hf(self.dump_folder / "hf")
+        return {"first_loss": first_loss, "last_loss": last_loss, "steps": self.step, "losses": losses}
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over this rank's micro-batches (dyn_bsz accumulation)."""
+        cfg = self.config
+        micro_batches = [self._to_device(mb) for mb in self.data.next_step()]
+        # Exact global token mean: one all-reduce of the labelled-token count per step.
+        local_tokens = sum(int((mb["labels"] != cfg.loss.ignore_index).sum()) for mb in micro_batches)
+        global_tokens = dist_sum(float(local_tokens), self._loss_group()).item()
+        self.optimizers.zero_grad()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        n = len(micro_batches)
+        for i, mb in enumerate(micro_batches):
+            sync = getattr(self.model, "set_requires_gradient_sync", None)
+            if callable(sync):
+                sync(i == n - 1)  # reduce-scatter gradients once, after the last micro-batch
+            with self._loss_parallel():
+                logits = self.model(
+                    mb["input_ids"],
+                    position_ids=mb["position_ids"],
+                    cu_seqlens=mb["cu_seqlens"],
+                    max_seqlen=mb["max_seqlen"],
+                    visual_indices=mb["visual_indices"],
+                    vq_codes=mb["vq_codes"],
+                )
+                loss = self.loss_fn(logits, mb["labels"], num_tokens=global_tokens)
+                loss.backward()
+            loss_sum += loss.detach().float()
+        global_loss = dist_sum(loss_sum, self._loss_group()).item()
+        grad_norm = clip_grad_norm_(
+            [p for p in self.model.parameters() if p.requires_grad], cfg.training.max_norm
+        ).item()
+        finite = math.isfinite(global_loss) and math.isfinite(grad_norm)
+        if not finite:
+            if cfg.training.on_nonfinite == "error":
+                raise NonFiniteError(
+                    f"step {self.step}: loss={global_loss} grad_norm={grad_norm} is not finite; the step was not "
+                    "applied and no checkpoint was written (set --training.on_nonfinite skip to drop such steps)"
+                )
+            self._log(f"step {self.step}: non-finite loss={global_loss} grad_norm={grad_norm}; update skipped")
+            self.optimizers.zero_grad()
+        else:
+            self.optimizers.step()
+        lr = self.lr_schedulers.get_last_lr()[0]
+        self.lr_schedulers.step()
+        if finite:
+            self.ema.update(self.model)
+        expert_load = self._expert_load_and_balance()
+        return {
+            "loss": global_loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "num_tokens": int(dist_sum(float(sum(mb["input_ids"].numel() for mb in micro_batches))).item()),
+            "expert_load": expert_load,
+            "extra": {"skipped": float(not finite), **self._data_extra()},
+        }
+
+    def _data_extra(self) -> dict[str, float]:
+        skipped = getattr(self.data, "num_skipped", None)
+        return {"bad_samples_skipped": float(skipped)} if isinstance(skipped, (int, float)) else {}
+
+    def _to_device(self, mb: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in mb.items()}
+
+    def _loss_group(self) -> dist.ProcessGroup | None:
+        """Ranks whose tokens are different: the data-parallel ranks x context-parallel ranks."""
+        pd = self.parallel_dims
+        mesh = pd.mesh("dp", "cp") if pd.cp > 1 else pd.mesh("dp")
+        if mesh is None:
+            return None
+        return mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()
+
+    def _loss_parallel(self):
+        if self.parallel_dims.loss_parallel_enabled:
+            return CrossEntropyLoss.parallel_context(True)
+        return nullcontext()
+
+    @torch.no_grad()
+    def _expert_load_and_balance(self) -> dict[str, torch.Tensor]:
+        """Per-MoE-layer routed counts (summed over data ranks); optional aux-loss-free bias update."""
+        rate = self.config.training.moe_bias_update_rate
+        load: dict[str, torch.Tensor] = {}
+        for name, module in self.model.named_modules():
+            pop = getattr(module, "pop_tokens_per_expert", None)
+            if not callable(pop):
+                continue
+            counts = dist_sum(pop().float(), self._loss_group())
+            load[name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")] = counts
+            if rate > 0:
+                module.update_bias_correction(counts, rate)
+        return load
+
+    # ------------------------------------------------------------------ export / close
+    def export_hf(self, path: str | os.PathLike) -> None:
+        """Gather full weights (EMA weights when EMA is on) and write the HF format on rank 0."""
+        save = self.spec.extras.get("save_pretrained")
+        if save is None:
+            raise NotImplementedError(f"model spec {self.spec.name!r} has no HF exporter")
+        ctx = self.ema.swap(self.model) if self.ema.enabled else nullcontext()
+        with ctx:
+            sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+                self.config.checkpoint.export_dtype
+            ]
+            save(_ExportView(self.config.model, self.model), path, state_dict=sd, dtype=dtype)
+            self._log(f"HF export written to {path}")
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        """Finish async saves, write the loss curve, destroy the process group."""
+        self.checkpointer.close()
+        self.metrics.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclasses.dataclass
+class _ExportView:
+    """What ``save_pretrained`` reads of a model: its config and HF pass-through tensors."""
+
+    config: Any
+    model: nn.Module
+
+    @property
+    def hf_passthrough(self) -> dict[str, torch.Tensor]:
+        return getattr(self.model, "hf_passthrough", {})
+
+
+@torch.no_grad()
+def _init_buffers(model: nn.Module) -> None:
+    """Recompute non-persistent buffers (RoPE tables, load counters) after ``to_empty``.
+
+    A full state dict carries only persistent entries; parameter-free modules that own
+    non-persistent buffers recompute them in ``init_own_weights``.
+    """
+    for module in model.modules():
+        if module._non_persistent_buffers_set and not any(True for _ in module.parameters(recurse=False)):
+            init = getattr(module, "init_own_weights", None)
+            if callable(init):
+                init()
