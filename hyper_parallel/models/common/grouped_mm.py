@@ -1,0 +1,110 @@
+"""Grouped linear over experts: ``y[rows of e] = x[rows of e] @ w[e]^T`` in one call per projection.
+
+Shape suffixes: S routed rows (sorted by expert), E experts, I input features, O output features.
+
+Two implementations, the same math:
+
+- ``"grouped_mm"``: ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm`` on older torch), one kernel
+  for all experts and no host sync. It needs fp32/bf16/fp16 on CPU and bf16 on CUDA (its CUDA kernel
+  is bf16-only), every stride and the base address 16-byte aligned (fp32: feature dims divisible by 4;
+  bf16: by 8). Its own backward rejects a stride-0 (expanded) output gradient, e.g. the one of
+  ``y.sum()``, so the output passes through ``_ContiguousGrad``.
+- ``"loop"``: one ``mm`` per expert over ``x.split(counts)``; any dtype/device/alignment, one host sync
+  for the counts. Autograd of ``split``/``unbind`` concatenates/stacks the gradients once (slicing
+  ``x[a:b]`` instead would allocate a full-size zero gradient per expert).
+
+``"auto"`` picks ``grouped_mm`` whenever it can run and ``loop`` otherwise. Forward+backward of the
+expert MLP on CPU (2 cores, S=8192 slots, D=256, F=128, E=16, balanced / skewed loads) measured within
+noise of each other: fp32 38/45 ms (grouped_mm) vs 41/42 ms (loop); bf16 25/36 vs 26/28 ms. Slicing
+``x[a:b]`` per expert took 66 ms (fp32), a padded ``bmm`` 50 ms balanced and 486 ms skewed, so neither
+is offered. ``grouped_mm`` wins the tie: no host sync, and it traces into one torch.compile graph.
+Under torch.compile the kernel's fake-tensor rule accepts bf16 only, so fp32 compiles the loop.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["GroupedMMImpl", "can_use_grouped_mm", "grouped_linear"]
+
+GroupedMMImpl = Literal["auto", "grouped_mm", "loop"]
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_ALIGN_BYTES = 16
+
+
+def can_use_grouped_mm(x_SI: torch.Tensor, w_EOI: torch.Tensor) -> bool:
+    """Whether the ``grouped_mm`` kernel accepts these operands (dtype, device and 16-byte alignment)."""
+    if _grouped_mm is None or x_SI.dtype != w_EOI.dtype or x_SI.device != w_EOI.device:
+        return False
+    allowed = {torch.bfloat16} if x_SI.device.type == "cuda" else {torch.float32, torch.bfloat16, torch.float16}
+    if torch.compiler.is_compiling():
+        allowed = {torch.bfloat16}  # the kernel's meta (fake-tensor) function accepts bf16 only
+    if x_SI.dtype not in allowed or x_SI.device.type not in ("cpu", "cuda"):
+        return False
+    size = x_SI.element_size()
+    # Every non-unit stride of x [S, I] (made contiguous first), of w^T [E, I, O] and of the output
+    # [S, O], and both base addresses, must be multiples of 16 bytes.
+    strides = (x_SI.shape[-1], w_EOI.shape[1], w_EOI.stride(0), w_EOI.stride(1))
+    if w_EOI.stride(-1) != 1 or any((s * size) % _ALIGN_BYTES for s in strides):
+        return False
+    if torch.compiler.is_compiling():
+        return True  # fake tensors have no address; allocator memory is aligned
+    return w_EOI.data_ptr() % _ALIGN_BYTES == 0 and (not x_SI.is_contiguous() or x_SI.data_ptr() % _ALIGN_BYTES == 0)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (for ``grouped_mm``'s backward)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, y: torch.Tensor) -> torch.Tensor:
+        return y
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_y: torch.Tensor) -> torch.Tensor:
+        return grad_y.contiguous()
+
+
+def _grouped_mm_linear(x_SI: torch.Tensor, w_EOI: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    offs_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+    y_SO = _grouped_mm(x_SI.contiguous(), w_EOI.transpose(-2, -1), offs=offs_E)
+    return _ContiguousGrad.apply(y_SO)
+
+
+def _loop_linear(x_SI: torch.Tensor, w_EOI: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    counts = num_tokens_per_expert_E.tolist()  # the one host sync of this path
+    return torch.cat([x_e @ w_e.T for x_e, w_e in zip(x_SI.split(counts), w_EOI.unbind(0))])
+
+
+def grouped_linear(
+    x_SI: torch.Tensor,
+    w_EOI: torch.Tensor,
+    num_tokens_per_expert_E: torch.Tensor,
+    impl: GroupedMMImpl = "auto",
+) -> torch.Tensor:
+    """``y_SO``: rows ``[off_e, off_e + n_e)`` of ``x_SI`` times ``w_EOI[e]^T`` (HF ``[out, in]`` layout).
+
+    ``num_tokens_per_expert_E`` (integer ``[E]``) must sum to ``S``: every row belongs to an expert.
+    """
+    if w_EOI.dim() != 3 or x_SI.dim() != 2 or x_SI.shape[-1] != w_EOI.shape[-1]:
+        raise ValueError(f"grouped_linear: want x [S, I] and w [E, O, I], got {tuple(x_SI.shape)} and {tuple(w_EOI.shape)}")
+    if num_tokens_per_expert_E.numel() != w_EOI.shape[0]:
+        raise ValueError(
+            f"grouped_linear: {num_tokens_per_expert_E.numel()} token counts for {w_EOI.shape[0]} experts"
+        )
+    if impl == "auto":
+        impl = "grouped_mm" if can_use_grouped_mm(x_SI, w_EOI) else "loop"
+    if impl == "grouped_mm":
+        if not can_use_grouped_mm(x_SI, w_EOI):
+            raise ValueError(
+                f"grouped_mm cannot run on {x_SI.dtype} {x_SI.device.type} x {tuple(x_SI.shape)} / "
+                f"w {tuple(w_EOI.shape)} (needs fp32/bf16/fp16 on CPU or bf16 on CUDA and 16-byte aligned "
+                "feature dims): set the experts' `grouped_mm_impl` to 'auto' or 'loop'"
+            )
+        return _grouped_mm_linear(x_SI, w_EOI, num_tokens_per_expert_E)
+    if impl == "loop":
+        return _loop_linear(x_SI, w_EOI, num_tokens_per_expert_E)
+    raise ValueError(f"unknown grouped_mm_impl {impl!r}: use 'auto', 'grouped_mm' or 'loop'")

@@ -1,0 +1,273 @@
+"""Mixture of experts: ``Router`` (top-k gate), ``GroupedExperts`` (SwiGLU experts) and ``MoE``.
+
+Shape suffixes: B batch, T tokens (B*seq flattened), D model dim, E experts, F expert hidden dim,
+K experts per token (top-k), S = T*K routed slots, G expert groups.
+
+Numerics follow HF Glm4MoeLite (``Glm4MoeLiteMoE``): fp32 router; sigmoid scores; the correction
+bias only steers the selection; group-limited top-k; weights are the un-biased scores, optionally
+normalised, times ``route_scale``; the K expert outputs are summed in fp32; the shared expert is
+added unweighted on the same input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hyper_parallel.models.common.feed_forward import FeedForward
+from hyper_parallel.models.common.grouped_mm import GroupedMMImpl, grouped_linear
+from hyper_parallel.models.common.token_dispatcher import LocalTokenDispatcher, count_tokens_per_expert
+from hyper_parallel.protocols.module import Module
+from hyper_parallel.protocols.param_init import NormalInit, ParamInit
+
+__all__ = ["GroupedExperts", "MoE", "Router"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor parameter (expert parallel shards experts on dim 0)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Router(Module):
+    """Token-choice top-k gate: ``weight [E, D]`` (no bias) plus the ``e_score_correction_bias [E]`` buffer.
+
+    ``forward(x_TD) -> (topk_idx_TK int64, topk_w_TK fp32)``.
+
+    The gate runs in fp32 whatever the activation dtype. With ``keep_fp32`` (default), casting the
+    model (``.to(torch.bfloat16)``, ``.half()``) leaves ``weight`` and the bias in fp32 and only moves
+    them between devices, like HF's ``_keep_in_fp32_modules_strict``. FSDP2 mixed precision casts
+    parameters on its own, outside this hook: shard the router with an fp32 ``param_dtype`` to keep it
+    exact there.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        top_k: int
+        """Experts per token (HF ``num_experts_per_tok``)."""
+        score_func: Literal["sigmoid", "softmax"] = "sigmoid"
+        """Score of each expert from its logit: sigmoid (DeepSeek-V3, GLM) or softmax over experts."""
+        n_group: int = 1
+        """Expert groups for group-limited routing (HF ``n_group``); 1 disables it."""
+        topk_group: int = 1
+        """Groups a token may route to (HF ``topk_group``). A group's score is the sum of its top-2
+        biased scores (sigmoid) or its best score (softmax)."""
+        norm_topk_prob: bool = True
+        """Normalise the K weights of a token to sum to 1 (before ``route_scale``)."""
+        route_scale: float = 1.0
+        """Multiplies the routing weights (HF ``routed_scaling_factor``)."""
+        use_bias_correction: bool = True
+        """Keep the fp32 ``e_score_correction_bias`` buffer, added to the scores for expert selection
+        only (DeepSeek-V3 aux-loss-free balancing; HF Glm4MoeLite always has it)."""
+        keep_fp32: bool = True
+        """Keep ``weight`` and the bias fp32 when the model is cast to another dtype."""
+        param_init: ParamInit.Config | None = field(default_factory=NormalInit.Config)
+        """Initialiser of ``weight`` (HF: normal(0, 0.02)); the bias starts at 0."""
+
+    def __init__(self, config: Config, *, dim: int, num_experts: int) -> None:
+        super().__init__(config)
+        _validate_router(config, num_experts)
+        self.dim, self.num_experts = dim, num_experts
+        self.weight = nn.Parameter(torch.empty(num_experts, dim, dtype=torch.float32))
+        if config.use_bias_correction:
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.config
+        logits_TE = F.linear(x_TD.float(), self.weight.float())
+        scores_TE = logits_TE.sigmoid() if cfg.score_func == "sigmoid" else logits_TE.softmax(dim=-1)
+        choice_TE = scores_TE
+        if self.e_score_correction_bias is not None:
+            choice_TE = scores_TE + self.e_score_correction_bias.float()
+        if cfg.topk_group < cfg.n_group:
+            choice_TE = self._mask_groups(choice_TE)
+        topk_idx_TK = torch.topk(choice_TE, k=cfg.top_k, dim=-1, sorted=False).indices
+        # Gradients reach the gate only through the weights: the selection is discrete.
+        topk_w_TK = scores_TE.gather(1, topk_idx_TK)
+        if cfg.norm_topk_prob:
+            topk_w_TK = topk_w_TK / (topk_w_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        return topk_idx_TK, topk_w_TK * cfg.route_scale
+
+    def _mask_groups(self, choice_TE: torch.Tensor) -> torch.Tensor:
+        """Keep the ``topk_group`` best groups of each token; other experts get -inf (as HF)."""
+        cfg = self.config
+        num_tokens, group_size = choice_TE.shape[0], self.num_experts // cfg.n_group
+        choice_TGE = choice_TE.view(num_tokens, cfg.n_group, group_size)
+        if cfg.score_func == "sigmoid":
+            group_score_TG = choice_TGE.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_score_TG = choice_TGE.amax(dim=-1)
+        group_idx = torch.topk(group_score_TG, k=cfg.topk_group, dim=-1, sorted=False).indices
+        keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool).scatter_(1, group_idx, True)
+        keep_TE = keep_TG.unsqueeze(-1).expand(-1, -1, group_size).reshape(num_tokens, self.num_experts)
+        return choice_TE.masked_fill(~keep_TE, float("-inf"))
+
+    @torch.no_grad()
+    def init_own_weights(self) -> None:
+        super().init_own_weights()
+        if self.e_score_correction_bias is not None:
+            self.e_score_correction_bias.zero_()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Router:
+        if not self.config.keep_fp32:
+            return super()._apply(fn, recurse)
+
+        def keep_fp32(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            if t.dtype == torch.float32 and out.dtype != torch.float32:
+                return t.to(device=out.device)  # take the device move only, never round the values
+            return out
+
+        return super()._apply(keep_fp32, recurse)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"dim={self.dim}, num_experts={self.num_experts}, top_k={c.top_k}, score_func={c.score_func}, "
+            f"n_group={c.n_group}, topk_group={c.topk_group}, route_scale={c.route_scale}"
+        )
+
+
+def _validate_router(config: Router.Config, num_experts: int) -> None:
+    def fail(msg: str) -> None:
+        raise ValueError(f"Router.Config: {msg}")
+
+    if num_experts < 1:
+        fail(f"num_experts={num_experts} must be >= 1")
+    if config.n_group < 1 or num_experts % config.n_group:
+        fail(f"n_group={config.n_group} must be >= 1 and divide num_experts={num_experts}")
+    if not 1 <= config.topk_group <= config.n_group:
+        fail(f"topk_group={config.topk_group} must be in [1, n_group={config.n_group}]")
+    group_size = num_experts // config.n_group
+    if config.score_func == "sigmoid" and config.topk_group < config.n_group and group_size < 2:
+        fail(
+            f"group-limited sigmoid routing scores a group by its top-2 experts: num_experts/n_group = "
+            f"{num_experts}/{config.n_group} must be >= 2 (lower n_group)"
+        )
+    reachable = config.topk_group * group_size
+    if not 1 <= config.top_k <= reachable:
+        fail(
+            f"top_k={config.top_k} must be in [1, topk_group * num_experts / n_group = {reachable}] "
+            "(the experts of the selected groups)"
+        )
+    if config.score_func not in ("sigmoid", "softmax"):
+        fail(f"score_func={config.score_func!r} must be 'sigmoid' or 'softmax'")
+
+
+class GroupedExperts(Module):
+    """E SwiGLU experts, ``gate_up_proj [E, 2F, D]`` (rows ``[gate F | up F]``) and ``down_proj [E, D, F]``.
+
+    ``forward(x_SD, num_tokens_per_expert_E) -> y_SD`` on rows already sorted by expert, one grouped
+    matmul per projection. Under expert parallel the parameters are DTensors sharded on dim 0 and the
+    forward runs on the local experts (``num_tokens_per_expert_E`` then counts local experts).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        hidden_dim: int
+        """Hidden size F of each expert (HF ``moe_intermediate_size``)."""
+        grouped_mm_impl: GroupedMMImpl = "auto"
+        """Grouped matmul: 'grouped_mm' (torch kernel), 'loop' (one mm per expert) or 'auto' (the kernel
+        when dtype/device/alignment allow it)."""
+        param_init: ParamInit.Config | None = field(default_factory=NormalInit.Config)
+        """Initialiser of ``gate_up_proj`` and ``down_proj`` (HF: normal(0, 0.02))."""
+
+    def __init__(self, config: Config, *, dim: int, num_experts: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__(config)
+        self.dim, self.num_experts = dim, num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * config.hidden_dim, dim, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, config.hidden_dim, dtype=dtype))
+
+    def forward(self, x_SD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        impl = self.config.grouped_mm_impl
+        w_gate_up_E2FD, w_down_EDF = _local(self.gate_up_proj), _local(self.down_proj)
+        # HF casts the input to the expert dtype (autocast does not cover grouped_mm).
+        h_S2F = grouped_linear(x_SD.to(w_gate_up_E2FD.dtype), w_gate_up_E2FD, num_tokens_per_expert_E, impl)
+        gate_SF, up_SF = h_S2F.chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate_SF) * up_SF, w_down_EDF, num_tokens_per_expert_E, impl)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, dim={self.dim}, hidden_dim={self.config.hidden_dim}"
+
+
+class MoE(Module):
+    """Routed experts plus optional shared experts: ``out = sum_k w_k * expert_k(x) + shared(x)``.
+
+    Children: ``gate`` (Router), ``experts`` (GroupedExperts), ``shared_experts`` (FeedForward or None),
+    and ``dispatcher`` (a plain object; expert-parallel code replaces it). The non-persistent int64
+    buffer ``tokens_per_expert [E]`` accumulates the routed counts of every forward, for load metrics
+    and ``update_bias_correction``; read it with ``pop_tokens_per_expert``.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        num_experts: int
+        """Routed experts E (HF ``n_routed_experts``); the gate and the experts get it at build."""
+        gate: Router.Config
+        """Router (HF ``mlp.gate``)."""
+        experts: GroupedExperts.Config
+        """Routed experts (HF ``mlp.experts``)."""
+        shared_experts: FeedForward.Config | None = None
+        """Always-on expert added unweighted (HF ``mlp.shared_experts``, hidden ``moe_intermediate_size *
+        n_shared_experts``); None for none."""
+
+    def __init__(self, config: Config, *, dim: int) -> None:
+        super().__init__(config)
+        num_experts = config.num_experts
+        self.gate = config.gate.build(dim=dim, num_experts=num_experts)
+        self.experts = config.experts.build(dim=dim, num_experts=num_experts)
+        self.shared_experts = config.shared_experts.build(dim=dim) if config.shared_experts is not None else None
+        self.dispatcher = LocalTokenDispatcher(num_experts)
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_TD = x.reshape(-1, x.shape[-1])
+        topk_idx_TK, topk_w_TK = self.gate(x_TD)
+        self._record_load(topk_idx_TK)
+        x_SD, num_tokens_per_expert_E, state = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_w_TK)
+        y_SD = self.experts(x_SD, num_tokens_per_expert_E)
+        out_TD = self.dispatcher.combine(y_SD, state)
+        if self.shared_experts is not None:
+            out_TD = out_TD + self.shared_experts(x_TD)
+        return out_TD.view(x.shape)
+
+    @torch.no_grad()
+    def _record_load(self, topk_idx_TK: torch.Tensor) -> None:
+        # Activation checkpointing re-runs this forward inside backward (a graph task is then
+        # running): count each token once. The check is a graph break under torch.compile, so
+        # compiled code always counts; with AC every token is then counted exactly twice, which
+        # leaves load fractions and the sign-based bias update unchanged.
+        if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
+            self.tokens_per_expert += count_tokens_per_expert(topk_idx_TK, self.config.num_experts)
+
+    @torch.no_grad()
+    def pop_tokens_per_expert(self) -> torch.Tensor:
+        """The routed counts since the last call (int64 ``[E]``, this rank only), and reset them to 0."""
+        counts = self.tokens_per_expert.clone()
+        self.tokens_per_expert.zero_()
+        return counts
+
+    @torch.no_grad()
+    def update_bias_correction(self, tokens_per_expert: torch.Tensor, rate: float) -> None:
+        """Aux-loss-free balancing (DeepSeek-V3): ``bias += rate * sign(mean_load - load)``.
+
+        Under-loaded experts become more likely to be chosen. Pass counts summed over the data-parallel
+        ranks so every rank applies the same update.
+        """
+        bias = self.gate.e_score_correction_bias
+        if bias is None:
+            raise ValueError("update_bias_correction needs the gate's `use_bias_correction=True`")
+        load = tokens_per_expert.to(device=bias.device, dtype=torch.float32)
+        bias.add_(torch.sign(load.mean() - load), alpha=rate)
+
+    @torch.no_grad()
+    def init_own_weights(self) -> None:
+        super().init_own_weights()
+        self.tokens_per_expert.zero_()
