@@ -102,10 +102,9 @@ class Configurable:
         super().__init_subclass__(**kwargs)
         config_cls = cls.__dict__.get("Config")
         if config_cls is None:
-            raise TypeError(
-                f"{cls.__qualname__} must declare its own nested "
-                f"`@dataclass(kw_only=True, slots=True) class Config(<parent>.Config)`"
-            )
+            # A subclass without its own Config (e.g. FSDP's dynamic ``FSDP<Module>`` classes) keeps
+            # the parent's Config, whose build() constructs the parent.
+            return
         parent_config = next(
             (b.Config for b in cls.__mro__[1:] if issubclass(b, Configurable) and "Config" in b.__dict__),
             Configurable.Config,

@@ -40,11 +40,11 @@ def test_config_without_kw_only_fails_at_class_creation():
                 x: int = 1
 
 
-def test_missing_nested_config_fails():
-    with pytest.raises(TypeError, match="nested"):
+def test_subclass_without_config_inherits_parent_config():
+    class Wrapped(Linear):  # like FSDP's dynamic FSDPLinear class
+        pass
 
-        class Bad(Configurable):
-            pass
+    assert Wrapped.Config is Linear.Config and Linear.Config._owner is Linear
 
 
 def test_config_must_subclass_parent_config():
