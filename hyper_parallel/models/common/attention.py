@@ -120,8 +120,15 @@ class VarlenAttention(Module):
 
     @staticmethod
     def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, meta: AttentionMeta) -> torch.Tensor:
-        B, H, T, _ = q.shape
+        B, H, T, dqk = q.shape
         gqa = k.shape[1] != H
+        dv = v.shape[-1]
+        if dv < dqk:
+            # SDPA's fused (flash) kernels need one head dim for q, k and v; with MLA's smaller v they
+            # fall back to the math kernel (3-4x slower on CPU, T x T scores in memory). Zero-padding v
+            # and dropping the padded output channels is exact.
+            out = VarlenAttention._sdpa(q, k, F.pad(v, (0, dqk - dv)), scale, meta)
+            return out[..., :dv]
         if meta.cu_seqlens is None or meta.cu_seqlens.numel() == B + 1:
             if meta.cu_seqlens is not None:
                 _check_boundaries(meta.cu_seqlens.tolist(), B, T)

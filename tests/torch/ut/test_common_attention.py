@@ -114,7 +114,8 @@ def test_mla_matches_hf(q_lora_rank, interleave, bias):
 def test_mla_matches_hf_on_small_activations():
     """Small latents make the 1e-6 eps of q_a/kv_a_layernorm visible (1e-5 there misses by > 1e-3)."""
     out_diff, grad_diff, dx_diff = _mla_parity(tiny_lite_config(), x_scale=0.02)
-    assert out_diff <= TOL and grad_diff <= TOL and dx_diff <= TOL, (out_diff, grad_diff, dx_diff)
+    # d/dx grows by 1/0.02 through the norms; compare the gradient w.r.t. the unscaled input (x * 0.02).
+    assert out_diff <= TOL and grad_diff <= TOL and dx_diff * 0.02 <= TOL, (out_diff, grad_diff, dx_diff)
 
 
 def test_mla_yarn_matches_hf():
