@@ -1,0 +1,378 @@
+"""Checkpointing with ``torch.distributed.checkpoint`` (DCP): atomic, resumable, optionally async.
+
+Layout under ``<dump_folder>/<folder>``::
+
+    step-200/            a complete checkpoint
+      .metadata, __*.distcp    DCP: model, optimizer, lr_scheduler, extra states (ema ...), train_state
+      rank0.pt, rank1.pt ...   per-rank state: RNG (python/numpy/torch/cuda) and rank_states (dataloader)
+      run_config.json          the run config (rank 0)
+    step-300.tmp/        a write in progress (or killed): never loaded, removed by the next save
+    latest               text marker with the newest complete step (informative; loading scans)
+    hf-step-300/         an HF export (safetensors) when asked for
+
+Atomicity: every rank writes into ``step-N.tmp``; after all ranks finished (DCP's own final gather,
+then a barrier) rank 0 renames it to ``step-N``, rewrites ``latest`` and drops old checkpoints beyond
+``keep_latest_k``. A kill at any point leaves either the previous complete checkpoint or the new
+one, never a half-written ``step-N``.
+
+Per-rank state (the data pipeline position, RNG streams) differs between ranks, while DCP
+deduplicates equal keys as if they were replicated, so it goes to one side file per rank instead.
+Resuming with another world size reshards model/optimizer state but cannot map those files: a
+warning says so and the data/RNG state starts fresh.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from hyper_parallel.config.configurable import Configurable, config_to_dict
+from hyper_parallel.config.dtypes import to_torch_dtype
+
+__all__ = ["CheckpointManager", "ModelWrapper", "assert_finite", "get_rng_state", "set_rng_state"]
+
+logger = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist_on() else 0
+
+
+def _barrier() -> None:
+    if _dist_on():
+        dist.barrier()
+
+
+def _as_parts(model_parts: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    return [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
+
+
+def assert_finite(model_parts: nn.Module | Sequence[nn.Module]) -> None:
+    """Raise ``FloatingPointError`` naming the tensors if any parameter/float buffer holds NaN/inf.
+
+    One ``isfinite`` per local shard, one host sync and one all-reduce of a flag, so every rank
+    raises together.
+    """
+    parts = _as_parts(model_parts)
+    named = [(n, t) for m in parts for n, t in (*m.named_parameters(), *m.named_buffers()) if t.is_floating_point()]
+    locals_ = [(n, t.to_local() if isinstance(t, DTensor) else t) for n, t in named]
+    per_device: dict[torch.device, list[torch.Tensor]] = {}
+    for _, t in locals_:
+        if t.numel() > 0:
+            per_device.setdefault(t.device, []).append(torch.isfinite(t).all())
+    ok = all(bool(torch.stack(flags).all()) for flags in per_device.values())
+    if _dist_on():
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        flag = torch.tensor(int(ok), dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        ok_everywhere = bool(flag.item())
+    else:
+        ok_everywhere = ok
+    if ok_everywhere:
+        return
+    bad = [n for n, t in locals_ if t.numel() > 0 and not bool(torch.isfinite(t).all())]
+    where = f"rank {_rank()}: {bad}" if bad else "another rank"
+    raise FloatingPointError(f"non-finite values in the model weights ({where}); refusing to checkpoint them")
+
+
+def get_rng_state() -> dict[str, Any]:
+    """Python, NumPy, torch CPU and (if initialised) current-CUDA-device RNG states."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class ModelWrapper:
+    """DCP ``Stateful`` over model parts: FQN-keyed, sharded DTensors stay sharded."""
+
+    def __init__(self, model_parts: nn.Module | Sequence[nn.Module]) -> None:
+        self.model_parts = _as_parts(model_parts)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for m in self.model_parts for k, v in get_model_state_dict(m).items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # strict=False: the merged dict holds every part's keys; DCP already failed on a missing key.
+        for m in self.model_parts:
+            set_model_state_dict(m, state_dict, options=StateDictOptions(strict=False))
+
+
+class _TrainState:
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+
+
+class CheckpointManager(Configurable):
+    """Saves and resumes the whole training state with DCP.
+
+    Build with ``CheckpointManager.Config(...).build(dump_folder=..., model_parts=[model],
+    optimizers=..., lr_schedulers=..., states={"ema": ema}, rank_states={"dataloader": dl},
+    run_config=config)``. ``states`` are replicated/sharded Statefuls saved through DCP;
+    ``rank_states`` are per-rank Statefuls saved in the rank's side file.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Configurable.Config):
+        enable: bool = False
+        """Save checkpoints and resume from the newest one in `folder` at start."""
+        folder: str = "checkpoint"
+        """Checkpoint folder, relative to the dump folder."""
+        interval: int = 500
+        """Save every this many steps (and at the last step)."""
+        keep_latest_k: int = 3
+        """Keep only the newest K complete checkpoints; 0 keeps all."""
+        async_mode: Literal["disabled", "async"] = "disabled"
+        """`async` writes in a background thread (dcp.async_save) and finalises before the next save."""
+        initial_load_path: str | None = None
+        """HF checkpoint folder to initialise the model from when no checkpoint exists to resume."""
+        export_hf: bool = False
+        """Write an HF safetensors export of the final weights (EMA weights when EMA is on)."""
+        export_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+        """Dtype of floating tensors in the HF export."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dump_folder: str | os.PathLike,
+        model_parts: nn.Module | Sequence[nn.Module],
+        optimizers: Any = None,
+        lr_schedulers: Any = None,
+        states: Mapping[str, Any] | None = None,
+        rank_states: Mapping[str, Any] | None = None,
+        run_config: Any = None,
+    ) -> None:
+        super().__init__(config)
+        self.config: CheckpointManager.Config = config
+        if config.interval < 1:
+            raise ValueError(f"checkpoint.interval={config.interval} must be >= 1")
+        self.folder = Path(dump_folder) / config.folder
+        self.model = ModelWrapper(model_parts)
+        self.optimizers, self.lr_schedulers = optimizers, lr_schedulers
+        reserved = {"model", "optimizer", "lr_scheduler", "train_state"} & set(states or {})
+        if reserved:
+            raise ValueError(f"CheckpointManager states may not use the reserved keys {sorted(reserved)}")
+        self.states = dict(states or {})
+        self.rank_states = dict(rank_states or {})
+        self.run_config = run_config
+        self.last_saved_step: int | None = None
+        self._pending: tuple[Any, int] | None = None
+        # The async writer thread runs DCP's collectives; give it its own CPU (gloo) group so they
+        # never interleave with the training collectives on the default group.
+        self._pg = dist.new_group(backend="gloo") if config.enable and config.async_mode == "async" and _dist_on() else None
+
+    # -- paths -------------------------------------------------------------------------------
+    def step_dir(self, step: int) -> Path:
+        return self.folder / f"step-{step}"
+
+    def complete_steps(self) -> list[int]:
+        """Steps of complete checkpoints (``step-N`` with DCP metadata), oldest first; ``*.tmp`` ignored."""
+        if not self.folder.is_dir():
+            return []
+        steps = []
+        for child in self.folder.iterdir():
+            m = _STEP_DIR.match(child.name)
+            if m and child.is_dir() and (child / ".metadata").is_file():
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    # -- save ----------------------------------------------------------------------------------
+    def should_save(self, step: int, *, last_step: bool = False) -> bool:
+        if not self.config.enable or step == self.last_saved_step:
+            return False
+        return last_step or step % self.config.interval == 0
+
+    def _dcp_state(self, step: int) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": self.model, "train_state": _TrainState(step)}
+        if self.optimizers is not None:
+            state["optimizer"] = self.optimizers
+        if self.lr_schedulers is not None:
+            state["lr_scheduler"] = self.lr_schedulers
+        state.update(self.states)
+        return state
+
+    def save(self, step: int, *, last_step: bool = False, force: bool = False) -> bool:
+        """Save step ``step`` if it is due (``interval``, ``last_step``) or ``force``; returns whether it did."""
+        if not (force and self.config.enable) and not self.should_save(step, last_step=last_step):
+            return False
+        self.wait()
+        assert_finite(self.model.model_parts)
+        tmp = self.folder / f"step-{step}.tmp"
+        if _rank() == 0 and tmp.exists():
+            shutil.rmtree(tmp)
+        _barrier()
+        tmp.mkdir(parents=True, exist_ok=True)
+        rank_state = {"rng": get_rng_state(), **{k: v.state_dict() for k, v in self.rank_states.items()}}
+        torch.save(rank_state, tmp / f"rank{_rank()}.pt")
+        if _rank() == 0 and self.run_config is not None:
+            (tmp / "run_config.json").write_text(json.dumps(_config_json(self.run_config), indent=2, default=str))
+        state = self._dcp_state(step)
+        self.last_saved_step = step
+        if self.config.async_mode == "async":
+            result = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg, no_dist=not _dist_on())
+            self._pending = (getattr(result, "upload_completion", result), step)
+            logger.info("checkpoint: async save of step %d started in %s", step, tmp)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist_on())
+            self._finalize(step)
+        return True
+
+    def wait(self) -> None:
+        """Block until a pending async save is written and finalised (no-op otherwise)."""
+        if self._pending is None:
+            return
+        future, step = self._pending
+        self._pending = None
+        future.result()
+        self._finalize(step)
+
+    def _finalize(self, step: int) -> None:
+        _barrier()  # every rank's shards and side file are on disk
+        if _rank() == 0:
+            tmp, final = self.folder / f"step-{step}.tmp", self.step_dir(step)
+            if final.exists():  # an older save of the same step (a re-run): replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            marker = self.folder / "latest.tmp"
+            marker.write_text(f"step-{step}\n")
+            os.replace(marker, self.folder / "latest")
+            self._purge()
+            logger.info("checkpoint: saved step %d to %s", step, final)
+        _barrier()
+
+    def _purge(self) -> None:
+        for stale in self.folder.glob("step-*.tmp"):  # killed writes; the current one was renamed
+            shutil.rmtree(stale, ignore_errors=True)
+        k = self.config.keep_latest_k
+        if k > 0:
+            for old in self.complete_steps()[:-k]:
+                shutil.rmtree(self.step_dir(old), ignore_errors=True)
+
+    # -- load ----------------------------------------------------------------------------------
+    def latest_step(self) -> int | None:
+        """Newest complete checkpoint step (rank 0 decides, every rank gets the same answer)."""
+        steps = self.complete_steps()
+        latest = [steps[-1] if steps else None]
+        if _dist_on():
+            dist.broadcast_object_list(latest, src=0)
+        return latest[0]
+
+    def load_latest(self) -> int | None:
+        """Resume from the newest complete checkpoint; returns its step, or None when there is none."""
+        if not self.config.enable:
+            return None
+        step = self.latest_step()
+        if step is None:
+            return None
+        return self.load(step)
+
+    def load(self, step: int) -> int:
+        """Load checkpoint ``step-<step>`` into every registered object; returns the saved step."""
+        path = self.step_dir(step)
+        if not (path / ".metadata").is_file():
+            raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata); complete: {self.complete_steps()}")
+        state = self._dcp_state(step)
+        dcp.load(state, checkpoint_id=str(path), no_dist=not _dist_on())
+        side = path / f"rank{_rank()}.pt"
+        if side.is_file():
+            # Our own file, holding Python/NumPy RNG tuples: a full (non-weights-only) unpickle.
+            rank_state = torch.load(side, map_location="cpu", weights_only=False)
+            set_rng_state(rank_state["rng"])
+            for key, obj in self.rank_states.items():
+                if key not in rank_state:
+                    raise KeyError(f"{side} has no per-rank state {key!r} (it has {sorted(rank_state)})")
+                obj.load_state_dict(rank_state[key])
+        else:
+            logger.warning(
+                "checkpoint: %s is missing (resumed with another world size?): RNG and %s state start fresh",
+                side,
+                sorted(self.rank_states) or "no per-rank",
+            )
+        self.last_saved_step = state["train_state"].step
+        logger.info("checkpoint: resumed from %s", path)
+        return state["train_state"].step
+
+    # -- HF export -------------------------------------------------------------------------------
+    def export_hf(
+        self,
+        step: int,
+        *,
+        state_dict_adapter: Any,
+        hf_config: Mapping[str, Any] | None = None,
+        max_shard_size: int | str = "5GB",
+    ) -> Path:
+        """Gather full weights, convert with ``state_dict_adapter.to_hf``, cast floats to
+        ``export_dtype`` and write safetensors (+ ``config.json``) to ``hf-step-<step>`` (rank 0).
+
+        For an EMA export wrap the call in ``ema.swap(model)``.
+        """
+        dtype = to_torch_dtype(self.config.export_dtype, field="checkpoint.export_dtype")
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full: dict[str, torch.Tensor] = {}
+        for m in self.model.model_parts:
+            full.update(get_model_state_dict(m, options=options))
+        out = self.folder / f"hf-step-{step}"
+        if _rank() == 0:
+            full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
+            state_dict_adapter.save_hf(full, out, max_shard_size=max_shard_size)
+            if hf_config is not None:
+                (out / "config.json").write_text(json.dumps(dict(hf_config), indent=2, default=str))
+            logger.info("checkpoint: HF export of step %d written to %s", step, out)
+        _barrier()
+        return out
+
+    def close(self) -> None:
+        """Finish a pending async save."""
+        self.wait()
+
+
+def _config_json(config: Any) -> Any:
+    to_dict = getattr(config, "to_dict", None)
+    if callable(to_dict):
+        return to_dict()
+    return config_to_dict(config)

@@ -1,0 +1,125 @@
+"""The Trainer on one process: the debug recipe trains, writes its artifacts, resumes exactly,
+handles non-finite steps, and trains with Muon as well as AdamW."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hyper_parallel.config import ConfigManager
+from hyper_parallel.trainer import NonFiniteError, Trainer
+
+BASE = ["--module", "glm_image_moe", "--config", "glm_image_moe_debug", "--debug.deterministic", "True",
+        "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", "--data.global_batch_tokens", "512"]  # fmt: skip
+
+
+def _config(tmp_path: Path, *args: str) -> Trainer.Config:
+    return ConfigManager().parse_args([*BASE, "--dump_folder", str(tmp_path), *args])
+
+
+def _run(cfg: Trainer.Config) -> tuple[Trainer, dict]:
+    trainer = cfg.build()
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    return trainer, summary
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _losses(dump: Path) -> dict[int, float]:
+    out = {}
+    for line in (dump / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec["loss"]  # a resumed run appends: the last record of a step wins
+    return out
+
+
+def test_debug_recipe_trains_and_writes_artifacts(tmp_path):
+    cfg = _config(tmp_path, "--training.steps", "16", "--checkpoint.interval", "8")
+    trainer, summary = _run(cfg)
+    assert summary["steps"] == 16
+    assert summary["last_loss"] < summary["first_loss"] - 0.5, summary
+    assert (tmp_path / "checkpoint" / "step-16" / ".metadata").is_file()
+    assert (tmp_path / "checkpoint" / "step-8").is_dir()
+    assert len(_losses(tmp_path)) == 16
+    assert (tmp_path / "loss_curve.png").stat().st_size > 1000
+    # the HF export loads back into an equal model
+    from hyper_parallel.models.glm_image_moe_v2 import from_pretrained
+
+    exported = from_pretrained(tmp_path / "hf")
+    ours = {k: _full(v) for k, v in trainer.model.state_dict().items()}
+    for key, value in exported.state_dict().items():
+        assert torch.equal(value, ours[key]), key
+
+
+def test_resume_continues_the_loss_sequence_and_ema_exactly(tmp_path):
+    common = ("--checkpoint.interval", "4", "--lr_scheduler.decay_steps", "8", "--ema.decay", "0.9",
+              "--checkpoint.export_hf", "False")  # fmt: skip
+    _run(_config(tmp_path / "whole", "--training.steps", "8", *common))
+    _run(_config(tmp_path / "split", "--training.steps", "4", *common))
+    resumed, _ = _run(_config(tmp_path / "split", "--training.steps", "8", *common))
+    assert resumed.checkpointer.last_saved_step == 8
+    a, b = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    for step in range(5, 9):
+        assert abs(a[step] - b[step]) <= 1e-6, (step, a[step], b[step])
+
+
+def test_ema_after_resume_equals_uninterrupted_ema(tmp_path):
+    common = ("--checkpoint.interval", "3", "--lr_scheduler.decay_steps", "6", "--ema.decay", "0.8",
+              "--checkpoint.export_hf", "False")  # fmt: skip
+    whole, _ = _run(_config(tmp_path / "whole", "--training.steps", "6", *common))
+    _run(_config(tmp_path / "split", "--training.steps", "3", *common))
+    resumed, _ = _run(_config(tmp_path / "split", "--training.steps", "6", *common))
+    assert whole.ema.shadow.keys() == resumed.ema.shadow.keys() and whole.ema.shadow
+    for name, value in whole.ema.shadow.items():
+        assert torch.allclose(_full(value), _full(resumed.ema.shadow[name]), atol=1e-6, rtol=0), name
+
+
+def test_nonfinite_loss_stops_naming_the_step_and_writes_no_checkpoint(tmp_path):
+    cfg = _config(tmp_path, "--training.steps", "4", "--checkpoint.interval", "1")
+    trainer = cfg.build()
+    try:
+        trainer.train_step()  # step 1 is fine
+        with torch.no_grad():
+            trainer.model.norm.weight[0] = float("nan")  # poison the weights: the next loss is NaN
+        trainer.step = 1
+        with pytest.raises(NonFiniteError, match="step 2: loss=nan"):
+            trainer.step = 2
+            trainer.train_step()
+    finally:
+        trainer.close()
+    assert not (tmp_path / "checkpoint").exists() or not any((tmp_path / "checkpoint").glob("step-*"))
+
+
+def test_nonfinite_step_is_skipped_when_configured(tmp_path):
+    cfg = _config(tmp_path, "--training.steps", "4", "--training.on_nonfinite", "skip",
+                  "--checkpoint.enable", "False")  # fmt: skip
+    trainer = cfg.build()
+    try:
+        with torch.no_grad():
+            trainer.model.norm.weight[0] = float("nan")
+        before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        trainer.step = 1
+        stats = trainer.train_step()
+        assert stats["extra"]["skipped"] == 1.0
+        after = trainer.model.state_dict()
+        for key, value in before.items():
+            assert torch.equal(value.nan_to_num(7.0), after[key].nan_to_num(7.0)), key
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_both_optimizers_train_the_debug_model(tmp_path, optimizer):
+    cfg = _config(tmp_path, "--training.steps", "12", "--optimizer.name", optimizer, "--checkpoint.enable", "False",
+                  "--checkpoint.export_hf", "False")  # fmt: skip
+    _, summary = _run(cfg)
+    assert summary["last_loss"] < summary["first_loss"] - 0.3, summary
