@@ -1,0 +1,97 @@
+"""kill -9 after (or during) a checkpoint, run the same command again: the loss sequence continues
+exactly as in an uninterrupted run (fp32, deterministic mode). One process, and 4 gloo ranks with FSDP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+STEPS = 10
+ARGS = ["--module", "glm_image_moe", "--config", "glm_image_moe_debug", "--debug.deterministic", "True",
+        "--metrics.log_freq", "1", "--training.steps", str(STEPS), "--checkpoint.interval", "3",
+        "--checkpoint.keep_latest_k", "5", "--checkpoint.export_hf", "False",
+        "--lr_scheduler.warmup_steps", "2", "--data.max_tokens_per_microbatch", "256"]  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _command(dump: Path, nproc: int) -> list[str]:
+    args = [*ARGS, "--dump_folder", str(dump), "--data.global_batch_tokens", str(256 * nproc * 2)]
+    if nproc == 1:
+        return [sys.executable, "-m", "hyper_parallel.train", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+            str(_free_port()), "-m", "hyper_parallel.train", *args]  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def _run(dump: Path, nproc: int) -> None:
+    out = subprocess.run(_command(dump, nproc), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def _losses(dump: Path) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for line in (dump / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec["loss"]  # the resumed run appends; the last record of a step wins
+    return out
+
+
+def _kill_when(dump: Path, nproc: int, ready) -> None:
+    """Start the run, SIGKILL its whole process group as soon as ``ready(checkpoint_folder)`` holds."""
+    proc = subprocess.Popen(_command(dump, nproc), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    folder = dump / "checkpoint"
+    deadline = time.monotonic() + 600
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if folder.is_dir() and ready(folder):
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.005)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+
+
+@pytest.mark.parametrize("nproc", [1, 4], ids=["1proc", "fsdp4"])
+def test_kill9_after_checkpoint_resumes_exactly(tmp_path, nproc):
+    _run(tmp_path / "whole", nproc)
+    _kill_when(tmp_path / "split", nproc, lambda f: (f / "step-6" / ".metadata").is_file())
+    _run(tmp_path / "split", nproc)  # the same command again resumes from step 6 (or later)
+    a, b = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
+    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    worst = max(abs(a[s] - b[s]) for s in a)
+    assert worst <= 1e-6, (worst, a, b)
+    assert a[STEPS] < a[1]
+
+
+def test_kill9_during_checkpoint_write_keeps_previous_checkpoint(tmp_path):
+    """Killed while step-6 is still being written: the next run resumes from step 3 and still matches."""
+    _run(tmp_path / "whole", 1)
+    _kill_when(tmp_path / "split", 1, lambda f: (f / "step-6.tmp").exists() or (f / "step-6").exists())
+    folder = tmp_path / "split" / "checkpoint"
+    complete = sorted(p.name for p in folder.iterdir() if (p / ".metadata").is_file())
+    assert "step-3" in complete
+    _run(tmp_path / "split", 1)
+    a, b = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
+    assert max(abs(a[s] - b[s]) for s in a) <= 1e-6
+    assert not any(p.name.endswith(".tmp") for p in folder.iterdir())
