@@ -6,26 +6,41 @@ backend (NCCL or gloo) are picked at run time.
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from hyper_parallel.config.manager import ConfigError, ConfigManager
 
 
+def init_logging() -> None:
+    """Console logging: INFO on rank 0 (metrics, progress, ETA), warnings only on the other ranks."""
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format="[%(asctime)s rank%(process)d] %(message)s".replace("%(process)d", str(rank)),
+        datefmt="%H:%M:%S",
+        force=True,
+    )
+    # FSDP on a CPU mesh warns once about DTensor RNG; initialisation does not depend on it.
+    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Parse the run config, train, and return the run summary."""
+    init_logging()
     config = ConfigManager().parse_args(argv)
     trainer = config.build()
     try:
         summary = trainer.train()
     finally:
         trainer.close()
-    if trainer.rank == 0 and summary["first_loss"] is not None:
-        print(
-            f"[hyper_parallel] done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> "
-            f"{summary['last_loss']:.4f}",
-            flush=True,
+    if summary["first_loss"] is not None:
+        logging.getLogger("hyper_parallel").info(
+            "done: %d steps, loss %.4f -> %.4f", summary["steps"], summary["first_loss"], summary["last_loss"]
         )
     return summary
 

@@ -228,7 +228,7 @@ class Trainer(Configurable):
 
     def _log(self, msg: str) -> None:
         if self.rank == 0:
-            print(f"[hyper_parallel] {msg}", flush=True)
+            logger.info(msg)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
