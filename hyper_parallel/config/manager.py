@@ -227,7 +227,18 @@ class ConfigManager:
         return config
 
     def _apply_run_file(self, config: Any, data: dict[str, Any], path: str) -> Any:
-        return apply_overrides(config, data, source=f"--config-file {path}")
+        # Imported here: legacy.py imports ConfigError from this module.
+        from hyper_parallel.config import legacy
+
+        source = f"--config-file {path}"
+        if legacy.is_legacy_layout(data):
+            try:
+                data = legacy.translate_legacy(data, source=source)
+            except legacy.ConfigError as e:
+                # Under `python -m hyper_parallel.config.manager` this module runs as __main__, whose
+                # ConfigError is a different class from legacy.py's: re-raise as ours so main() reports it.
+                raise ConfigError(str(e)) from None
+        return apply_overrides(config, data, source=source)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

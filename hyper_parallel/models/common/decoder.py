@@ -113,10 +113,15 @@ class Decoder(BaseModel):
         torchtitan's ``12 * H * d * T`` per layer (no causal or packing discount).
         """
         total = sum(p.numel() for p in self.parameters())
-        active = float(total - self.embed_tokens.weight.numel())
+        active = self.active_params() - self.embed_tokens.weight.numel()
+        attention = sum(layer.self_attn.attention_flops_per_token(seq_len) for layer in self.layers)
+        return total, 6.0 * active + attention
+
+    def active_params(self) -> int:
+        """Parameters one token uses: all of them, routed experts counted at ``top_k / num_experts``."""
+        active = float(sum(p.numel() for p in self.parameters()))
         for layer in self.layers:
             if isinstance(layer.mlp, MoE):
                 routed = sum(p.numel() for p in layer.mlp.experts.parameters())
                 active -= routed * (1.0 - layer.mlp.config.gate.top_k / layer.mlp.config.num_experts)
-        attention = sum(layer.self_attn.attention_flops_per_token(seq_len) for layer in self.layers)
-        return total, 6.0 * active + attention
+        return int(active)

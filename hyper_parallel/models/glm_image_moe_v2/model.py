@@ -162,17 +162,9 @@ class GlmImageMoeModel(Decoder):
         return total, flops - 6.0 * self.vq_codebook.weight.numel()
 
     def active_params(self) -> int:
-        """Parameters a token uses in the backbone: routed experts counted at ``top_k / E``."""
-        active = 0.0
-        for name, p in self.named_parameters():
-            if name.startswith(("vq_codebook.", "vq_to_llm_proj.")):
-                continue
-            active += p.numel()
-        for layer in self.layers:
-            if isinstance(layer.mlp, MoE):
-                routed = sum(p.numel() for p in layer.mlp.experts.parameters())
-                active -= routed * (1 - layer.mlp.config.gate.top_k / layer.mlp.config.num_experts)
-        return int(active)
+        """Backbone + head parameters a token uses (the image-path codebook and projection excluded)."""
+        image_path = self.vq_codebook.weight.numel() + sum(p.numel() for p in self.vq_to_llm_proj.parameters())
+        return Decoder.active_params(self) - image_path
 
 
 def glm_image_moe_config(

@@ -6,7 +6,10 @@ Tensor parallel (axis ``tp``), with the residual stream sharded along the sequen
   needs whole sequences); layer 0 then keeps its sequence shard (``Replicate -> Shard(1)``).
 - norms: replicated weights on sequence shards (SP), else untouched.
 - MLA: ``q_b_proj``/``q_proj`` and ``kv_b_proj`` column-wise (whole heads per rank, rows are
-  head-major), ``o_proj`` row-wise; the latent projections/norms stay replicated.
+  head-major), ``o_proj`` row-wise; the latent projections/norms stay replicated. Inside the block
+  activation gradients are per-rank partial sums (the shared rope key feeds heads of every rank),
+  reduced once at the block's entry; ``parallelize`` reduces the replicated latent weights over a
+  mesh that includes ``tp``.
 - dense MLP and shared experts: ``gate_proj``/``up_proj`` column-wise, ``down_proj`` row-wise.
 - MoE: router and routed experts are not tensor-parallel: the MoE runs on the rank's sequence shard
   (tokens split across ``tp`` like data), and ``parallelize`` shards router/experts with FSDP over
@@ -27,20 +30,26 @@ from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.mla import MLAttention
 from hyper_parallel.models.common.moe import MoE
 from hyper_parallel.models.glm_image_moe_v2.model import GlmImageMoeModel
-from hyper_parallel.protocols.sharding import MeshAxisName, ShardingConfig
+from hyper_parallel.protocols.sharding import LocalMapConfig, MeshAxisName, ShardingConfig
 
 __all__ = ["set_glm_image_moe_sharding_config"]
 
 TP, EP = MeshAxisName.TP, MeshAxisName.EP
 
 
-def _colwise(linear: Linear.Config, *, input_placement=None) -> ShardingConfig:
+# Inside an attention block or an MLP, activation gradients are per-rank contributions (``Partial``):
+# column-wise projections hand their input gradient back unreduced and the block's entry reduces once.
+_PARTIAL_INPUT_GRAD = LocalMapConfig(in_grad_placements=({TP: Partial()},))
+
+
+def _colwise(linear: Linear.Config, *, input_placement=None, in_region: bool = True) -> ShardingConfig:
     params = {"weight": {TP: Shard(0)}} | ({"bias": {TP: Shard(0)}} if linear.bias else {})
     return ShardingConfig(
         params=params,
         inputs={"x": {TP: input_placement or Replicate()}},
         desired_inputs={"x": {TP: Replicate()}},
         outputs={TP: Shard(-1)},
+        local_map=_PARTIAL_INPUT_GRAD if in_region else None,
     )
 
 
@@ -54,22 +63,31 @@ def _rowwise(linear: Linear.Config, *, output_placement) -> ShardingConfig:
     )
 
 
+def _region(input_name: str, input_placement) -> ShardingConfig:
+    """A TP block (attention, MLP): whole tokens inside, partial activation gradients reduced at the entry."""
+    return ShardingConfig(
+        inputs={input_name: {TP: input_placement}},
+        desired_inputs={input_name: {TP: Replicate()}},
+        local_map=_PARTIAL_INPUT_GRAD,
+    )
+
+
 def _sequence_parallel_norm() -> ShardingConfig:
     return ShardingConfig(params={"weight": {TP: Replicate()}}, inputs={"x": {TP: Shard(1)}})
 
 
 def _feed_forward(ffn: FeedForward.Config, *, token_placement) -> None:
     """SwiGLU MLP whose input arrives as ``token_placement`` (``Replicate`` or a sequence/token shard)."""
-    ffn.sharding_config = ShardingConfig(inputs={"x": {TP: token_placement}}, desired_inputs={"x": {TP: Replicate()}})
+    ffn.sharding_config = _region("x", token_placement)
     ffn.gate_proj.sharding_config = _colwise(ffn.gate_proj)
     ffn.up_proj.sharding_config = _colwise(ffn.up_proj)
     ffn.down_proj.sharding_config = _rowwise(ffn.down_proj, output_placement=token_placement)
 
 
 def _attention(attn: MLAttention.Config, *, residual) -> None:
-    attn.sharding_config = ShardingConfig(
-        inputs={"x_BTD": {TP: residual}}, desired_inputs={"x_BTD": {TP: Replicate()}}
-    )
+    # The latent projections/norms (q_a_*, kv_a_*) stay replicated inside the region; the shared rope
+    # key k_rot feeds every head, so its gradient is a per-rank partial sum like everything else here.
+    attn.sharding_config = _region("x_BTD", residual)
     for name in ("q_proj", "q_b_proj", "kv_b_proj"):
         linear = getattr(attn, name)
         if linear is not None:
@@ -128,7 +146,7 @@ def set_glm_image_moe_sharding_config(
             raise TypeError(f"layers.{i}.mlp is {type(mlp).__name__}; expected FeedForward or MoE")
     if enable_sp:
         cfg.norm.sharding_config = _sequence_parallel_norm()
-    head = _colwise(cfg.lm_head, input_placement=residual)
+    head = _colwise(cfg.lm_head, input_placement=residual, in_region=False)
     if loss_parallel:
         head.use_local_output = False  # vocab-sharded DTensor logits for the parallel cross entropy
     else:
