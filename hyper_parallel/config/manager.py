@@ -146,6 +146,10 @@ def _check_value(where: str, old: Any, new: Any) -> Any:
         return float(new)
     if isinstance(old, str) and not isinstance(new, str):
         raise ConfigError(f"{where}: expected a string, got {new!r}")
+    if isinstance(old, tuple) and isinstance(new, list):
+        if len(new) != len(old):
+            raise ConfigError(f"{where}: expected {len(old)} values, got {new!r}")
+        return tuple(_check_value(where, o, n) for o, n in zip(old, new))
     return new
 
 
@@ -165,7 +169,7 @@ def _apply(node: Any, overrides: dict[str, Any], *, prefix: str, source: str) ->
         full = f"{prefix}{key}"
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1)
-            hint = f"; did you mean {prefix}{close[0]!r}?" if close else f"; fields here: {', '.join(names)}"
+            hint = f"; did you mean {prefix + close[0]!r}?" if close else f"; fields here: {', '.join(names)}"
             raise ConfigError(f"{source}: unknown key {full!r}{hint}")
         current = getattr(node, key)
         if dataclasses.is_dataclass(current):

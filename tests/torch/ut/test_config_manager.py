@@ -63,7 +63,7 @@ def test_run_file_toml_and_yaml(tmp_path):
 def test_run_file_unknown_key_suggests_close_match(tmp_path):
     f = tmp_path / "run.toml"
     f.write_text("[training]\nstesp = 7\n")
-    with pytest.raises(ConfigError, match=r"unknown key 'training.stesp'; did you mean training.'steps'"):
+    with pytest.raises(ConfigError, match=r"unknown key 'training.stesp'; did you mean 'training.steps'"):
         parse("--config", "toy_small", "--config-file", str(f))
     f.write_text("[trainin]\nsteps = 7\n")
     with pytest.raises(ConfigError, match="did you mean 'training'"):
