@@ -1,0 +1,94 @@
+"""FSDP2 / HSDP helpers shared by every model's ``parallelize.py``.
+
+Gradient reduction SUMS over the data-parallel ranks (divide factor 1): the loss of each rank is
+``sum of its token losses / global token count`` (``components/loss.py``, ``data/loss.py``), so the
+sum over ranks is exactly the global token mean. Expert weights reduce over their own mesh
+(``efsdp``), whose ranks together with the expert all-to-all cover the same data: with SUM there is
+no per-mesh factor to get wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+
+from hyper_parallel.config.dtypes import TORCH_DTYPE_MAP
+from hyper_parallel.config.training import TrainingConfig
+
+__all__ = ["fp32_policy_like", "mixed_precision_policy", "reshard_policy", "shard_module", "sum_gradients"]
+
+
+def mixed_precision_policy(training: TrainingConfig) -> MixedPrecisionPolicy:
+    """FSDP2 mixed precision from ``--training.mixed_precision_param/_reduce``."""
+    return MixedPrecisionPolicy(
+        param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+    )
+
+
+def reshard_policy(mode: Literal["default", "always", "never"]) -> bool | None:
+    """``--parallelism.fsdp_reshard_after_forward`` -> ``fully_shard(reshard_after_forward=...)``."""
+    return {"default": None, "always": True, "never": False}[mode]
+
+
+def sum_gradients(module: FSDPModule) -> None:
+    """Make ``module``'s gradient reduction a plain SUM over every parameter, used or not.
+
+    Plain SUM (no averaging, no premultiplied sum) is also what gloo supports. Unused parameters are
+    reduced as zeros: ranks legitimately skip parameters (a batch without images never touches
+    ``vq_to_llm_proj``), and otherwise their reduce-scatters would differ in size across ranks.
+    """
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)
+    module.set_reduce_scatter_unused_params(True, recurse=False)
+
+
+def shard_module(
+    module: nn.Module | Sequence[nn.Module],
+    mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool | None = None,
+    ignored_params: Iterable[nn.Parameter] | None = None,
+    shard_dim: int = 0,
+) -> FSDPModule | list[FSDPModule]:
+    """``fully_shard`` with SUM gradient reduction; ``shard_dim`` != 0 shards every parameter on that dim.
+
+    A list of modules becomes one FSDP unit (one all-gather and one reduce-scatter for all of them).
+
+    A 2-D ``mesh`` (``dp_replicate x shard``) is HSDP: replicated over the first axis, sharded over the second.
+    """
+    placement_fn = None
+    if shard_dim != 0:
+
+        def placement_fn(param: nn.Parameter) -> Shard:
+            return Shard(shard_dim) if param.ndim > shard_dim else Shard(0)
+
+    ignored = set(ignored_params) if ignored_params is not None else None
+    fsdp_module = fully_shard(
+        module,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=placement_fn,
+        mp_policy=mp_policy,
+        ignored_params=ignored,
+    )
+    # A list of modules forms one FSDP unit whose state the first module holds.
+    sum_gradients(fsdp_module[0] if isinstance(fsdp_module, (list, tuple)) else fsdp_module)
+    return fsdp_module
+
+
+def fp32_policy_like(policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+    """``policy`` with fp32 parameters (routers keep their fp32 gate under bf16 training)."""
+    return MixedPrecisionPolicy(
+        param_dtype=torch.float32,
+        reduce_dtype=policy.reduce_dtype,
+        output_dtype=policy.output_dtype,
+        cast_forward_inputs=policy.cast_forward_inputs,
+    )

@@ -1,0 +1,162 @@
+"""The parallelisation pipeline every decoder model shares; a model's ``parallelize.py`` only supplies its
+declared placements and model facts.
+
+Order: CP -> activation checkpointing -> TP/SP -> EP -> compile -> FSDP2.
+
+Activation checkpointing sits before TP (torchtitan applies it after): it is hook-based here, and its
+hooks must be the first ones of a decoder layer so that recomputation replays the layer's original
+inputs through every later hook (see ``activation_checkpoint.py``). CP hooks live on the attention
+cores inside the layers and are unaffected.
+
+FSDP units: every decoder layer, the token embedding, the LM head, the root. Routed experts (and
+routers, when their tokens differ from the dense layout's) get their own unit on the ``efsdp`` mesh.
+Gradients are summed, not averaged, over data-parallel ranks (see ``fsdp.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial
+
+from hyper_parallel.config.parallelism import ParallelismConfig
+from hyper_parallel.config.training import ActivationCheckpointConfig, CompileConfig, TrainingConfig
+from hyper_parallel.distributed.activation_checkpoint import apply_activation_checkpointing
+from hyper_parallel.distributed.compile import apply_compile
+from hyper_parallel.distributed.context_parallel import apply_ulysses_cp
+from hyper_parallel.distributed.expert_parallel import apply_expert_parallel_dispatch
+from hyper_parallel.distributed.fsdp import fp32_policy_like, mixed_precision_policy, reshard_policy, shard_module
+from hyper_parallel.distributed.parallel_dims import ParallelDims
+from hyper_parallel.distributed.tensor_parallel import apply_sharding_configs
+from hyper_parallel.protocols.sharding import MeshAxisName, ShardingConfig
+
+__all__ = ["declared_shardings", "parallelize_decoder"]
+
+
+def declared_shardings(config) -> dict[str, ShardingConfig]:
+    """FQN -> ``sharding_config`` of every module config in ``config``'s tree that declares one."""
+    out = {}
+    for fqn, cfg, _, _ in config.traverse():
+        sc = getattr(cfg, "sharding_config", None)
+        if sc is not None:
+            out[fqn] = sc
+    return out
+
+
+def _is_partial_grad_region(sc: ShardingConfig) -> bool:
+    grads = sc.local_map.in_grad_placements if sc.local_map is not None else None
+    return not sc.params and any(
+        isinstance(p, Partial) for named in (grads or ()) if named for key, p in named.items() if str(key) == "tp"
+    )
+
+
+def _tp_partial_param_modules(model: nn.Module, declared: Mapping[str, ShardingConfig]) -> list[nn.Module]:
+    """Modules with plain (replicated) parameters inside a TP block whose activation gradients are partial."""
+    out: list[nn.Module] = []
+    for fqn, sc in declared.items():
+        if not _is_partial_grad_region(sc):
+            continue
+        for sub in model.get_submodule(fqn).modules():
+            own = list(sub.parameters(recurse=False))
+            if own and not any(isinstance(p, DTensor) for p in own) and sub not in out:
+                out.append(sub)
+    return out
+
+
+def _check_sequence_hook(parallel_dims: ParallelDims):
+    tp = parallel_dims.tp
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        input_ids = args[0] if args else kwargs.get("input_ids")
+        if input_ids is not None and input_ids.shape[-1] % tp:
+            raise ValueError(
+                f"sequence parallel splits each row over tensor_parallel_degree={tp} ranks, but the (per "
+                f"context-parallel rank) sequence length is {input_ids.shape[-1]}: pad batches to a multiple of "
+                f"context_parallel_degree x tensor_parallel_degree = {parallel_dims.cp * tp}"
+            )
+
+    return hook
+
+
+def parallelize_decoder(
+    model: nn.Module,
+    *,
+    declared: Mapping[str, ShardingConfig],
+    parallel_dims: ParallelDims,
+    training: TrainingConfig,
+    parallelism: ParallelismConfig,
+    ac_config: ActivationCheckpointConfig,
+    compile_config: CompileConfig,
+    layers: Iterable[nn.Module],
+    embeddings: Iterable[nn.Module] = (),
+    head: Iterable[nn.Module] = (),
+    ignored_params: Iterable[nn.Parameter] = (),
+) -> nn.Module:
+    """Apply CP, AC, TP/SP, EP, compile and FSDP2 to ``model`` in place (it may live on the meta device).
+
+    ``declared`` maps module FQN -> ``ShardingConfig`` (from the model's ``sharding.py``). ``layers`` are
+    the decoder layers (AC/compile/FSDP units); MoE layers are found by their ``experts`` child.
+    ``ignored_params`` stay whole on every rank, outside FSDP (a frozen codebook).
+    """
+    pd = parallel_dims
+    layers = list(layers)
+
+    # 1. context parallel: all-to-all around every attention core
+    if pd.cp_enabled:
+        apply_ulysses_cp(model, pd.mesh("cp"))
+
+    # 2. activation checkpointing (first hooks on each layer)
+    apply_activation_checkpointing(layers, ac_config)
+
+    # 3. tensor / sequence parallel
+    if pd.tp_enabled:
+        apply_sharding_configs(model, pd, MeshAxisName.TP, declared)
+        if pd.sp_enabled:
+            model.register_forward_pre_hook(_check_sequence_hook(pd), with_kwargs=True)
+
+    # 4. expert parallel
+    if pd.ep_enabled:
+        sharded = apply_sharding_configs(model, pd, MeshAxisName.EP, declared)
+        if not sharded:
+            raise ValueError("expert_parallel_degree > 1 but the model declares no expert-parallel placements")
+        apply_expert_parallel_dispatch(model, pd.mesh("ep"))
+
+    # 5. compile
+    apply_compile(layers, compile_config)
+
+    # 6. FSDP2 / HSDP
+    mp = mixed_precision_policy(training)
+    reshard = reshard_policy(parallelism.fsdp_reshard_after_forward)
+    dense_mesh, expert_mesh = pd.fsdp_mesh(), pd.efsdp_mesh()
+    # Parameters whose gradients differ across tp ranks reduce over a mesh that includes tp: replicated
+    # weights inside TP blocks (partial activation gradients) and, as the MoE runs on the rank's sequence
+    # shard, the router and the routed experts.
+    tp_partial = {id(m) for m in _tp_partial_param_modules(model, declared)} if pd.tp_enabled else set()
+    separate_moe = pd.ep_enabled or pd.tp_enabled
+    for module in embeddings:
+        shard_module(module, dense_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    for layer in layers:
+        partial = [m for m in layer.modules() if id(m) in tp_partial]
+        if partial:
+            shard_module(partial, pd.fsdp_mesh_with_tp(), mp_policy=mp, reshard_after_forward=reshard)
+        moe = getattr(layer, "mlp", None)
+        if moe is not None and hasattr(moe, "experts"):
+            router = getattr(moe, "gate", None)
+            if router is not None and (pd.tp_enabled or mp.param_dtype not in (None, torch.float32)):
+                router_mesh = pd.fsdp_mesh_with_tp() if pd.tp_enabled else dense_mesh
+                shard_module(router, router_mesh, mp_policy=fp32_policy_like(mp), reshard_after_forward=reshard)
+            if separate_moe:
+                shard_module(
+                    moe.experts,
+                    expert_mesh,
+                    mp_policy=mp,
+                    reshard_after_forward=reshard,
+                    shard_dim=1 if pd.ep_enabled else 0,
+                )
+        shard_module(layer, dense_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    for module in head:
+        shard_module(module, dense_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    shard_module(model, dense_mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=list(ignored_params))
+    return model
