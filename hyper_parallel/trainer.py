@@ -42,6 +42,7 @@ from hyper_parallel.config import (
     TrainingConfig,
 )
 from hyper_parallel.data import TokenDataLoader
+from hyper_parallel.distributed.context_parallel import split_batch_for_cp
 from hyper_parallel.distributed.env import init_distributed, set_determinism, set_pg_timeouts, world_info
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.distributed.utils import clip_grad_norm_, dist_sum
@@ -142,12 +143,16 @@ class Trainer(Configurable):
         # 3. data, loss, optimizer, schedule, EMA
         mc = config.model
         self.dp_rank, self.dp_world = self._dp_coordinates()
+        # CP splits every row into equal chunks, and SP splits each chunk again over TP ranks.
+        pd = self.parallel_dims
+        seq_multiple = pd.cp * (pd.tp if pd.sp_enabled else 1)
         self.data = config.data.build(
             dp_rank=self.dp_rank,
             dp_world_size=self.dp_world,
             lang_vocab_size=mc.vocab_size,
             codebook_size=getattr(mc, "codebook_size", 0),
             placeholder_token_id=getattr(mc, "placeholder_token_id", -1),
+            seq_multiple=seq_multiple,
         )
         self.loss_fn = config.loss.build()
         self.optimizers = config.optimizer.build(model_parts=[self.model])
@@ -266,10 +271,13 @@ class Trainer(Configurable):
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over this rank's micro-batches (dyn_bsz accumulation)."""
         cfg = self.config
-        micro_batches = [self._to_device(mb) for mb in self.data.next_step()]
+        pd = self.parallel_dims
+        cp_rank = pd.mesh_coordinate("cp") if pd.cp > 1 else 0
+        # Context parallel: each CP rank keeps a contiguous chunk of every row (attention sees all).
+        micro_batches = [split_batch_for_cp(self._to_device(mb), cp_rank, pd.cp) for mb in self.data.next_step()]
         # Exact global token mean: one all-reduce of the labelled-token count per step.
         local_tokens = sum(int((mb["labels"] != cfg.loss.ignore_index).sum()) for mb in micro_batches)
-        global_tokens = dist_sum(float(local_tokens), self._loss_group()).item()
+        global_tokens = self._sum_over_token_ranks(float(local_tokens)).item()
         self.optimizers.zero_grad()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         n = len(micro_batches)
@@ -289,7 +297,7 @@ class Trainer(Configurable):
                 loss = self.loss_fn(logits, mb["labels"], num_tokens=global_tokens)
                 loss.backward()
             loss_sum += loss.detach().float()
-        global_loss = dist_sum(loss_sum, self._loss_group()).item()
+        global_loss = self._sum_over_token_ranks(loss_sum).item()
         grad_norm = clip_grad_norm_(
             [p for p in self.model.parameters() if p.requires_grad], cfg.training.max_norm
         ).item()
@@ -313,7 +321,11 @@ class Trainer(Configurable):
             "loss": global_loss,
             "grad_norm": grad_norm,
             "lr": lr,
-            "num_tokens": int(dist_sum(float(sum(mb["input_ids"].numel() for mb in micro_batches))).item()),
+            # tokens per device, so tokens/s and MFU compare across layouts (torchtitan's convention)
+            "num_tokens": int(
+                self._sum_over_token_ranks(float(sum(mb["input_ids"].numel() for mb in micro_batches)))
+            )
+            // self.world_size,
             "expert_load": expert_load,
             "extra": {"skipped": float(not finite), **self._data_extra()},
         }
@@ -326,12 +338,19 @@ class Trainer(Configurable):
         return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in mb.items()}
 
     def _loss_group(self) -> dist.ProcessGroup | None:
-        """Ranks whose tokens are different: the data-parallel ranks x context-parallel ranks."""
-        pd = self.parallel_dims
-        mesh = pd.mesh("dp", "cp") if pd.cp > 1 else pd.mesh("dp")
-        if mesh is None:
-            return None
-        return mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()
+        """Ranks whose tokens differ: data-parallel x context-parallel (None on a single such rank).
+
+        Tensor-parallel ranks hold the same tokens, so they are not in it.
+        """
+        mesh = self.parallel_dims.mesh("dp_cp")
+        return mesh.get_group() if mesh is not None else None
+
+    def _sum_over_token_ranks(self, value: torch.Tensor | float) -> torch.Tensor:
+        """Sum over the ranks that hold different tokens (no reduction when there is only one)."""
+        group = self._loss_group()
+        if group is None:
+            return value.detach().clone() if torch.is_tensor(value) else torch.tensor(value, dtype=torch.float64)
+        return dist_sum(value, group)
 
     def _loss_parallel(self):
         if self.parallel_dims.loss_parallel_enabled:
@@ -343,11 +362,18 @@ class Trainer(Configurable):
         """Per-MoE-layer routed counts (summed over data ranks); optional aux-loss-free bias update."""
         rate = self.config.training.moe_bias_update_rate
         load: dict[str, torch.Tensor] = {}
+        # Every rank must apply the same bias update: sum the counts over all ranks whose routers saw
+        # different tokens (sequence parallel splits tokens over TP ranks as well).
+        pd = self.parallel_dims
+        mesh = pd.mesh("dp_cp", "tp") if pd.sp_enabled else pd.mesh("dp_cp")
+        moe_group = None if mesh is None else (mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group())
         for name, module in self.model.named_modules():
             pop = getattr(module, "pop_tokens_per_expert", None)
             if not callable(pop):
                 continue
-            counts = dist_sum(pop().float(), self._loss_group())
+            counts = pop().float()
+            if moe_group is not None:
+                dist.all_reduce(counts, group=moe_group)
             load[name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")] = counts
             if rate > 0:
                 module.update_bias_correction(counts, rate)

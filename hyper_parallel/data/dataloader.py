@@ -26,6 +26,8 @@ Pipeline (``source=direct_token``), per rank::
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -88,9 +90,13 @@ class TokenDataLoader(Configurable):
         placeholder_token_id: int,
         dp_rank: int = 0,
         dp_world_size: int = 1,
+        seq_multiple: int = 1,
     ) -> None:
+        """``seq_multiple``: what the parallel layout needs micro-batch lengths to be a multiple of
+        (context parallel x sequence parallel); combined with ``pad_to_multiple_of`` by lcm."""
         super().__init__(config)
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.pad_multiple = math.lcm(max(config.pad_to_multiple_of, 1), max(seq_multiple, 1))
         self.lang_vocab_size, self.codebook_size = lang_vocab_size, codebook_size
         self.placeholder_token_id = placeholder_token_id
         self.micro_batches_per_step = self._check(config)
@@ -138,10 +144,11 @@ class TokenDataLoader(Configurable):
             raise ValueError(f"dp_rank={self.dp_rank} must lie in [0, dp_world_size={self.dp_world_size})")
         if c.max_tokens_per_microbatch < 1:
             raise ValueError(f"data.max_tokens_per_microbatch must be >= 1, got {c.max_tokens_per_microbatch}")
-        if c.pad_to_multiple_of < 1 or c.max_tokens_per_microbatch % c.pad_to_multiple_of:
+        if c.pad_to_multiple_of < 1 or c.max_tokens_per_microbatch % self.pad_multiple:
             raise ValueError(
-                f"data.pad_to_multiple_of={c.pad_to_multiple_of} must be >= 1 and divide "
-                f"data.max_tokens_per_microbatch={c.max_tokens_per_microbatch}"
+                f"data.pad_to_multiple_of={c.pad_to_multiple_of} must be >= 1, and its lcm with what the parallel "
+                f"layout needs ({self.pad_multiple}) must divide data.max_tokens_per_microbatch="
+                f"{c.max_tokens_per_microbatch}"
             )
         per_step = self.dp_world_size * c.max_tokens_per_microbatch
         global_tokens = c.global_batch_tokens or per_step
@@ -174,7 +181,7 @@ class TokenDataLoader(Configurable):
             step = [
                 collate_packed(
                     self._packer.next(), placeholder_token_id=self.placeholder_token_id,
-                    pad_token_id=c.pad_token_id, pad_to_multiple_of=c.pad_to_multiple_of,
+                    pad_token_id=c.pad_token_id, pad_to_multiple_of=self.pad_multiple,
                 )
                 for _ in range(self.micro_batches_per_step)
             ]

@@ -48,7 +48,11 @@ def declared_shardings(config) -> dict[str, ShardingConfig]:
 def _is_partial_grad_region(sc: ShardingConfig) -> bool:
     grads = sc.local_map.in_grad_placements if sc.local_map is not None else None
     return not sc.params and any(
-        isinstance(p, Partial) for named in (grads or ()) if named for key, p in named.items() if str(key) == "tp"
+        isinstance(p, Partial)
+        for named in (grads or ())
+        if named
+        for key, p in named.items()
+        if str(key) == str(MeshAxisName.TP)
     )
 
 

@@ -151,7 +151,12 @@ def _input_grad(sc: ShardingConfig, pos: int | None, axis: MeshAxisName) -> Plac
 
 
 def _make_pre_hook(
-    mesh: DeviceMesh, sc: ShardingConfig, axis: MeshAxisName, binder: dict[str, int | None], dtensor_inputs: bool, fqn: str
+    mesh: DeviceMesh,
+    sc: ShardingConfig,
+    axis: MeshAxisName,
+    binder: dict[str, int | None],
+    dtensor_inputs: bool,
+    fqn: str,
 ) -> Callable[..., Any]:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         args, kwargs = list(args), dict(kwargs)

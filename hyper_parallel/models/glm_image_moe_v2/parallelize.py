@@ -55,23 +55,36 @@ def parallelize_glm_image_moe(
     count (``CrossEntropyLoss(num_tokens=...)``).
     """
     validate_glm_image_moe_layout(model.config, parallel_dims)
-    declared = set_glm_image_moe_sharding_config(
-        model.config,
-        loss_parallel=parallel_dims.loss_parallel_enabled,
-        enable_sp=parallel_dims.sp_enabled,
-        ep_degree=parallel_dims.ep,
+    declared = declared_shardings(
+        set_glm_image_moe_sharding_config(
+            model.config,
+            loss_parallel=parallel_dims.loss_parallel_enabled,
+            enable_sp=parallel_dims.sp_enabled,
+            ep_degree=parallel_dims.ep,
+        )
     )
+    # A model built from an already-sharded config carries its placements in module.config; they must be
+    # the ones this layout needs (a config sharded for another layout would silently mis-shard).
+    carried = declared_shardings(model.config)
+    if carried and carried != declared:
+        differ = sorted(k for k in carried.keys() | declared.keys() if carried.get(k) != declared.get(k))
+        raise ValueError(
+            f"the model was built from a config sharded for another layout (first differences: {differ[:3]}): "
+            "build it from set_glm_image_moe_sharding_config(config, ...) with this run's parallelism, or unsharded"
+        )
     ignored = [model.vq_codebook.weight] if model.config.freeze_vq else []
     return parallelize_decoder(
         model,
-        declared=declared_shardings(declared),
+        declared=declared,
         parallel_dims=parallel_dims,
         training=training,
         parallelism=parallelism,
         ac_config=ac_config,
         compile_config=compile_config,
         layers=model.layers,
-        embeddings=[model.embed_tokens],
+        # vq_to_llm_proj is its own unit so FSDP mixed precision casts the (fp32, FSDP-ignored) codebook
+        # vectors to its parameter dtype on entry.
+        embeddings=[model.embed_tokens, model.vq_to_llm_proj],
         head=[model.lm_head],
         ignored_params=ignored,
     )

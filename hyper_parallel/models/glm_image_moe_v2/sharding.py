@@ -104,6 +104,9 @@ def set_glm_image_moe_sharding_config(
     degree 1. ``ep_degree > 1`` declares the expert-parallel sharding of the routed experts.
     """
     cfg = copy.deepcopy(config)
+    for _, module_cfg, _, _ in cfg.traverse():  # start clean: the result depends on the arguments only
+        if hasattr(module_cfg, "sharding_config"):
+            module_cfg.sharding_config = None
     residual = Shard(1) if enable_sp else Replicate()
 
     cfg.embed_tokens.sharding_config = ShardingConfig(

@@ -123,13 +123,16 @@ class Layout:
     loss_parallel: bool = True
     ac: str = "none"
     compile_backend: str | None = None
+    param_dtype: str = "float32"
 
     def __str__(self) -> str:
-        parts = [f"{k}{v}" for k, v in (("rep", self.dp_replicate), ("cp", self.cp), ("tp", self.tp), ("ep", self.ep)) if v > 1]
+        degrees = (("rep", self.dp_replicate), ("cp", self.cp), ("tp", self.tp), ("ep", self.ep))
+        parts = [f"{k}{v}" for k, v in degrees if v > 1]
         parts += [] if self.sp or self.tp == 1 else ["noSP"]
         parts += [] if self.loss_parallel or self.tp == 1 else ["noLP"]
         parts += [] if self.ac == "none" else [f"ac_{self.ac}"]
         parts += [] if self.compile_backend is None else [f"compile_{self.compile_backend}"]
+        parts += [] if self.param_dtype == "float32" else [self.param_dtype]
         return f"w{self.world}" + ("-" + "-".join(parts) if parts else "-fsdp")
 
     def parallelism(self) -> ParallelismConfig:
@@ -201,10 +204,12 @@ def parallelize(model, layout: Layout) -> ParallelDims:
     parallelize_glm_image_moe(
         model,
         parallel_dims=pd,
-        training=TrainingConfig(),
+        training=TrainingConfig(mixed_precision_param=layout.param_dtype),
         parallelism=layout.parallelism(),
         ac_config=ActivationCheckpointConfig(mode=layout.ac, selective_every_n_layers=2),
-        compile_config=CompileConfig(enable=layout.compile_backend is not None, backend=layout.compile_backend or "inductor"),
+        compile_config=CompileConfig(
+            enable=layout.compile_backend is not None, backend=layout.compile_backend or "inductor"
+        ),
     )
     return pd
 
@@ -218,7 +223,11 @@ def layout_job(layout: Layout, steps: int) -> dict[str, Any]:
     pd = parallelize(model, layout)
     attention_calls = [0] * len(model.layers)  # recomputation under AC calls the attention again in backward
     for i, layer in enumerate(model.layers):
-        layer.self_attn.register_forward_pre_hook(lambda *_, i=i: attention_calls.__setitem__(i, attention_calls[i] + 1))
+
+        def count(*_: Any, i: int = i) -> None:
+            attention_calls[i] += 1
+
+        layer.self_attn.register_forward_pre_hook(count)
     out, _ = _train(model, steps, pd)
     out["attention_calls"] = attention_calls
     # The frozen codebook: a plain tensor, unchanged, bit-identical on every rank; the projection trained.
@@ -246,7 +255,8 @@ def dcp_save_job(layout: Layout, steps: int, checkpoint_dir: str) -> dict[str, A
     model = build_model()
     pd = parallelize(model, layout)
     out, opt = _train(model, steps, pd)
-    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=checkpoint_dir)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.save(state, checkpoint_id=checkpoint_dir)
     return out
 
 
@@ -290,7 +300,10 @@ def trainer_job(parallelism: dict[str, Any], steps: int, dump_folder: str, data_
     cfg.data.path = data_path
     cfg.data.max_tokens_per_microbatch = 256
     cfg.data.global_batch_tokens = 0  # one packed micro-batch per data-parallel rank and step
-    cfg.data.pad_to_multiple_of = parallelism.get("context_parallel_degree", 1) * parallelism.get("tensor_parallel_degree", 1)
+    # Sequence parallel splits every (context-parallel) chunk over tp ranks: pad to a multiple of cp x tp.
+    cfg.data.pad_to_multiple_of = parallelism.get("context_parallel_degree", 1) * parallelism.get(
+        "tensor_parallel_degree", 1
+    )
     cfg.checkpoint.enable = False
     cfg.checkpoint.export_hf = False
     cfg.metrics.log_freq = 1

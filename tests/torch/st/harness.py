@@ -102,7 +102,9 @@ class WorkerPool:
         for p in self._procs:
             p.start()
 
-    def run(self, fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
+    def run(
+        self, fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, **kwargs: Any
+    ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on ranks ``0..world_size-1``; return the results by rank."""
         if not 1 <= world_size <= self.max_world:
             raise ValueError(f"world_size {world_size} must be in [1, {self.max_world}]")

@@ -1,7 +1,8 @@
 """Every parallel layout reproduces the single-process run of a tiny GlmImageMoe with images (fp32, gloo).
 
 Same seed, same initial weights, same global batches: step-1 |dloss| <= 1e-5, every one of 10 steps
-<= 1e-4, gradient norm (clipped across meshes) within 1e-4 relative. Each run also checks the frozen
+<= 1e-4, gradient norm (clipped across meshes) within 1e-4 relative (one bf16 mixed-precision layout
+is only held to a loose bound). Each run also checks the frozen
 codebook (a plain tensor, unchanged, bit-identical on every rank) and that ``vq_to_llm_proj`` trains.
 """
 
@@ -27,6 +28,7 @@ LAYOUTS = [
     Layout(world=8, dp_shard=2, tp=2, cp=2),  # FSDP 2 x TP 2 x CP 2
     Layout(world=2, ac="full"),  # FSDP 2, every layer recomputed
     Layout(world=4, tp=2, ac="selective"),  # FSDP 2 x TP 2, layers 0 and 2 recomputed
+    Layout(world=4, tp=2, param_dtype="bfloat16"),  # FSDP mixed precision (fp32 router units), loose bound
 ]
 
 
@@ -40,10 +42,13 @@ def test_layout_matches_single_process(pool, reference, layout):
     out = pool.run(layout_job, layout.world, layout, STEPS)[0]
     dloss = [abs(a - b) for a, b in zip(out["losses"], reference["losses"], strict=True)]
     dnorm = [abs(a - b) / b for a, b in zip(out["grad_norms"], reference["grad_norms"], strict=True)]
-    print(f"\n{layout}: step-1 |dloss| {dloss[0]:.2e}, max |dloss| {max(dloss):.2e}, max grad-norm rel {max(dnorm):.2e}")
-    assert dloss[0] <= 1e-5, dloss
-    assert max(dloss) <= 1e-4, dloss
-    assert max(dnorm) <= 1e-4, dnorm
+    print(f"\n{layout}: step-1 |dloss| {dloss[0]:.2e}, max |dloss| {max(dloss):.2e}, grad-norm rel {max(dnorm):.2e}")
+    if layout.param_dtype == "float32":
+        assert dloss[0] <= 1e-5, dloss
+        assert max(dloss) <= 1e-4, dloss
+        assert max(dnorm) <= 1e-4, dnorm
+    else:  # bf16 compute against the fp32 reference: only close
+        assert max(dloss) <= 5e-3 and max(dnorm) <= 5e-2, (dloss, dnorm)
     assert reference["losses"][-1] < reference["losses"][0] - 0.5  # the reference itself learns
 
     # freeze_vq: the codebook is a plain replicated tensor, no gradient, never updated, equal everywhere.

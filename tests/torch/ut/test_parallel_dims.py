@@ -22,8 +22,13 @@ TP, EP = MeshAxisName.TP, MeshAxisName.EP
 
 
 def dims(world: int, **kw) -> ParallelDims:
-    names = {"rep": "data_parallel_replicate_degree", "shard": "data_parallel_shard_degree",
-             "cp": "context_parallel_degree", "tp": "tensor_parallel_degree", "ep": "expert_parallel_degree"}  # fmt: skip
+    names = {
+        "rep": "data_parallel_replicate_degree",
+        "shard": "data_parallel_shard_degree",
+        "cp": "context_parallel_degree",
+        "tp": "tensor_parallel_degree",
+        "ep": "expert_parallel_degree",
+    }
     return ParallelDims.from_config(ParallelismConfig(**{names[k]: v for k, v in kw.items()}), world)
 
 
@@ -66,7 +71,7 @@ def test_invalid_degrees_fail_with_the_fix(world, kw, message):
     ("world", "kw", "model_kw", "message"),
     [
         (8, dict(tp=8), {}, "tensor_parallel_degree (8) does not divide the model's n_heads (4)"),
-        (8, dict(tp=2, cp=4), {}, "context_parallel_degree (4) does not divide the attention heads per tensor-parallel"),
+        (8, dict(tp=2, cp=4), {}, "context_parallel_degree (4) does not divide the attention heads per tensor"),
         (8, dict(cp=8), {}, "Ulysses CP splits heads"),
         (6, dict(ep=3), {}, "expert_parallel_degree (3) does not divide the routed experts (8)"),
         (8, dict(tp=2), dict(intermediate_size=63), "does not divide the model's layers.0.mlp hidden size (63)"),
@@ -109,10 +114,29 @@ def test_sharding_config_is_a_pure_function():
     assert declared["norm"].params["weight"][TP] == Replicate()
     assert declared["lm_head"].use_local_output is False  # vocab-sharded logits for loss parallel
     assert declared["layers.0"].desired_inputs["x_BTD"][TP] == Shard(1)
-    plain = declared_shardings(set_glm_image_moe_sharding_config(cfg, loss_parallel=False, enable_sp=False, ep_degree=1))
+    plain_cfg = set_glm_image_moe_sharding_config(cfg, loss_parallel=False, enable_sp=False, ep_degree=1)
+    plain = declared_shardings(plain_cfg)
     assert "norm" not in plain and "layers.1.mlp.experts" not in plain
     assert plain["lm_head"].desired_outputs[TP] == Replicate()
     assert plain["layers.1.mlp"].desired_inputs["x"][TP] == Shard(1)  # the MoE routes its sequence chunk
+
+
+def test_parallelize_rejects_a_model_sharded_for_another_layout():
+    import torch as _torch
+
+    from hyper_parallel.config import CompileConfig, TrainingConfig
+    from hyper_parallel.models.glm_image_moe_v2.parallelize import parallelize_glm_image_moe
+
+    sharded = set_glm_image_moe_sharding_config(tiny(), loss_parallel=True, enable_sp=True, ep_degree=1)
+    with _torch.device("meta"):
+        model = sharded.build()
+    parallelism = ParallelismConfig(tensor_parallel_degree=2, enable_sequence_parallel=False)
+    pd = ParallelDims.from_config(parallelism, 2)
+    with pytest.raises(ValueError, match="sharded for another layout"):
+        parallelize_glm_image_moe(
+            model, parallel_dims=pd, training=TrainingConfig(), parallelism=parallelism,
+            ac_config=ActivationCheckpointConfig(), compile_config=CompileConfig(),
+        )  # fmt: skip
 
 
 def test_split_batch_for_cp_keeps_images_and_global_cu_seqlens():
@@ -145,7 +169,8 @@ def test_expert_parallel_regroup_index():
 def test_layers_to_checkpoint():
     assert layers_to_checkpoint(5, ActivationCheckpointConfig(mode="none")) == []
     assert layers_to_checkpoint(5, ActivationCheckpointConfig(mode="full")) == [0, 1, 2, 3, 4]
-    assert layers_to_checkpoint(5, ActivationCheckpointConfig(mode="selective", selective_every_n_layers=2)) == [0, 2, 4]
+    every_2nd = ActivationCheckpointConfig(mode="selective", selective_every_n_layers=2)
+    assert layers_to_checkpoint(5, every_2nd) == [0, 2, 4]
     with pytest.raises(ValueError, match="selective_every_n_layers"):
         layers_to_checkpoint(5, ActivationCheckpointConfig(mode="selective", selective_every_n_layers=0))
 
