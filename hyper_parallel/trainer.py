@@ -205,12 +205,16 @@ class Trainer(Configurable):
 
     @torch.no_grad()
     def _init_weights(self) -> None:
-        """Initialise every parameter; identical across layouts for models up to a few GiB."""
+        """Initialise every parameter (or load ``checkpoint.initial_load_path``), identically across layouts.
+
+        Models up to a few GiB are initialised as a full copy on every rank (same seed), then each rank
+        keeps its shard, so every layout starts from bit-identical weights. Bigger models initialise
+        their shards in place; their HF weights are read on rank 0 only and broadcast shard by shard.
+        """
         cc = self.config.checkpoint
+        torch.manual_seed(self.config.debug.seed)
         nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        if self.world_size > 1 and nbytes <= _FULL_INIT_MAX_BYTES:
-            # Same seed, same full tensors on every rank, then each rank keeps its own shard.
-            torch.manual_seed(self.config.debug.seed)
+        if nbytes <= _FULL_INIT_MAX_BYTES:
             full = self.config.model.build()
             full.init_weights()
             if cc.initial_load_path:
@@ -219,17 +223,30 @@ class Trainer(Configurable):
             _init_buffers(self.model)
             del full
         else:
-            torch.manual_seed(self.config.debug.seed)
             self.model.init_weights()
             if cc.initial_load_path:
-                if self.world_size > 1:
-                    raise NotImplementedError(
-                        "checkpoint.initial_load_path for a model this large under several ranks needs a sharded "
-                        "HF loader; convert it once with a single process and resume from DCP instead"
-                    )
-                self.spec.extras["load_hf_weights"](self.model, cc.initial_load_path)
+                self._broadcast_hf_weights(cc.initial_load_path)
         if cc.initial_load_path:
             self._log(f"initialised from HF checkpoint {cc.initial_load_path}")
+
+    def _broadcast_hf_weights(self, path: str) -> None:
+        """Rank 0 reads and converts the HF folder; every rank receives its shards."""
+        from hyper_parallel.protocols.state_dict_adapter import read_safetensors
+
+        expected = {k: v.shape for k, v in self.model.state_dict().items()}
+        head = self.model.lm_head.weight
+        head_full = head.full_tensor() if hasattr(head, "full_tensor") else head.detach()  # collective
+        sd: dict[str, torch.Tensor] = {}
+        if self.rank == 0:
+            adapter = self.spec.state_dict_adapter(self.config.model)
+            result = adapter.from_hf_checked(read_safetensors(path), expected=expected)
+            sd = result.state_dict
+            if result.partial_head is not None:  # a text-only checkpoint: head rows [0, V)
+                head_full[: result.partial_head.shape[0]] = result.partial_head
+                sd["lm_head.weight"] = head_full
+        set_model_state_dict(
+            self.model, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        )
 
     def _log(self, msg: str) -> None:
         if self.rank == 0:

@@ -122,7 +122,6 @@ class Layout:
     sp: bool = True
     loss_parallel: bool = True
     ac: str = "none"
-    compile_backend: str | None = None
     param_dtype: str = "float32"
 
     def __str__(self) -> str:
@@ -131,7 +130,6 @@ class Layout:
         parts += [] if self.sp or self.tp == 1 else ["noSP"]
         parts += [] if self.loss_parallel or self.tp == 1 else ["noLP"]
         parts += [] if self.ac == "none" else [f"ac_{self.ac}"]
-        parts += [] if self.compile_backend is None else [f"compile_{self.compile_backend}"]
         parts += [] if self.param_dtype == "float32" else [self.param_dtype]
         return f"w{self.world}" + ("-" + "-".join(parts) if parts else "-fsdp")
 
@@ -207,9 +205,7 @@ def parallelize(model, layout: Layout) -> ParallelDims:
         training=TrainingConfig(mixed_precision_param=layout.param_dtype),
         parallelism=layout.parallelism(),
         ac_config=ActivationCheckpointConfig(mode=layout.ac, selective_every_n_layers=2),
-        compile_config=CompileConfig(
-            enable=layout.compile_backend is not None, backend=layout.compile_backend or "inductor"
-        ),
+        compile_config=CompileConfig(),
     )
     return pd
 

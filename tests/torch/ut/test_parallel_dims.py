@@ -122,13 +122,11 @@ def test_sharding_config_is_a_pure_function():
 
 
 def test_parallelize_rejects_a_model_sharded_for_another_layout():
-    import torch as _torch
-
     from hyper_parallel.config import CompileConfig, TrainingConfig
     from hyper_parallel.models.glm_image_moe_v2.parallelize import parallelize_glm_image_moe
 
     sharded = set_glm_image_moe_sharding_config(tiny(), loss_parallel=True, enable_sp=True, ep_degree=1)
-    with _torch.device("meta"):
+    with torch.device("meta"):
         model = sharded.build()
     parallelism = ParallelismConfig(tensor_parallel_degree=2, enable_sequence_parallel=False)
     pd = ParallelDims.from_config(parallelism, 2)

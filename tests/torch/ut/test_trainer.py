@@ -123,3 +123,24 @@ def test_both_optimizers_train_the_debug_model(tmp_path, optimizer):
                   "--checkpoint.export_hf", "False")  # fmt: skip
     _, summary = _run(cfg)
     assert summary["last_loss"] < summary["first_loss"] - 0.3, summary
+
+
+@pytest.mark.parametrize("path", ["full_copy", "broadcast_shards"])
+def test_initial_load_path_starts_from_the_hf_checkpoint(tmp_path, monkeypatch, path):
+    from hyper_parallel import trainer as trainer_module
+    from hyper_parallel.models.glm_image_moe_v2 import save_pretrained
+
+    if path == "broadcast_shards":  # the path of models too big for a full copy per rank
+        monkeypatch.setattr(trainer_module, "_FULL_INIT_MAX_BYTES", 0)
+
+    torch.manual_seed(123)
+    source = _config(tmp_path).model.build()
+    source.init_weights()
+    save_pretrained(source, tmp_path / "hf_in")
+    trainer = _config(tmp_path / "run", "--checkpoint.initial_load_path", str(tmp_path / "hf_in")).build()
+    try:
+        ours = {k: _full(v) for k, v in trainer.model.state_dict().items()}
+        for key, value in source.state_dict().items():
+            assert torch.equal(ours[key], value), key
+    finally:
+        trainer.close()
