@@ -8,7 +8,6 @@ load HF weights) -> data -> optimizer, LR schedule, EMA -> checkpoint manager (r
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -409,7 +408,7 @@ class Trainer(Configurable):
             dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
                 self.config.checkpoint.export_dtype
             ]
-            save(_ExportView(self.config.model, self.model), path, state_dict=sd, dtype=dtype)
+            save(self.model, path, state_dict=sd, dtype=dtype)  # reads model.config, writes the gathered sd
             self._log(f"HF export written to {path}")
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()
@@ -420,18 +419,6 @@ class Trainer(Configurable):
         self.metrics.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-@dataclasses.dataclass
-class _ExportView:
-    """What ``save_pretrained`` reads of a model: its config and HF pass-through tensors."""
-
-    config: Any
-    model: nn.Module
-
-    @property
-    def hf_passthrough(self) -> dict[str, torch.Tensor]:
-        return getattr(self.model, "hf_passthrough", {})
 
 
 @torch.no_grad()
