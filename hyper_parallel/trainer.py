@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
