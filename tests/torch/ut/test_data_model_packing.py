@@ -1,6 +1,5 @@
 """Packed forward of GlmImageMoe on a DirectToken micro-batch equals the per-document forward."""
 
-import dataclasses
 
 import torch
 
