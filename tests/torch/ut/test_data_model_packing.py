@@ -1,6 +1,5 @@
 """Packed forward of GlmImageMoe on a DirectToken micro-batch equals the per-document forward."""
 
-
 import torch
 
 from hyper_parallel.data import SampleSpec, ToyCorpusSpec, collate_packed, make_sample, make_toy_samples
