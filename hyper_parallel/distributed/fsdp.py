@@ -21,7 +21,7 @@ from torch.distributed.tensor import Shard
 from hyper_parallel.config.dtypes import TORCH_DTYPE_MAP
 from hyper_parallel.config.training import TrainingConfig
 
-__all__ = ["fp32_policy_like", "mixed_precision_policy", "reshard_policy", "shard_module", "sum_gradients"]
+__all__ = ["cast_inputs_to_param_dtype", "fp32_policy_like", "mixed_precision_policy", "reshard_policy", "shard_module", "sum_gradients"]
 
 
 def mixed_precision_policy(training: TrainingConfig) -> MixedPrecisionPolicy:
@@ -92,3 +92,19 @@ def fp32_policy_like(policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
         output_dtype=policy.output_dtype,
         cast_forward_inputs=policy.cast_forward_inputs,
     )
+
+
+def cast_inputs_to_param_dtype(module: nn.Module, policy: MixedPrecisionPolicy) -> None:
+    """Cast ``module``'s floating-point inputs to ``policy.param_dtype``, as FSDP does for its own units.
+
+    For a module inside a bigger FSDP unit whose input is computed from an FSDP-ignored parameter: that
+    parameter keeps its full precision, while the module's weights are gathered in the compute dtype.
+    """
+    dtype = policy.param_dtype
+    if dtype is None or dtype == torch.float32:
+        return
+
+    def cast(mod: nn.Module, args: tuple) -> tuple:
+        return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+    module.register_forward_pre_hook(cast)

@@ -8,8 +8,12 @@ hooks must be the first ones of a decoder layer so that recomputation replays th
 inputs through every later hook (see ``activation_checkpoint.py``). CP hooks live on the attention
 cores inside the layers and are unaffected.
 
-FSDP units: every decoder layer, the token embedding, the LM head, the root. Routed experts (and
-routers, when their tokens differ from the dense layout's) get their own unit on the ``efsdp`` mesh.
+FSDP units: every decoder layer, the token embedding, the LM head, the root (which holds the rest, and
+ignores a frozen codebook). Inside a layer, parameters whose gradients differ across tp ranks get units
+on a mesh that includes tp, so FSDP's SUM completes them: under TP the replicated weights inside TP
+blocks (MLA's latent projections and norms: their activation gradients are partial sums), the router
+and the routed experts (the MoE runs on the rank's sequence shard). With EP the routed experts get a
+unit on ``efsdp``, sharded on dim 1. A bf16 run keeps routers in fp32 units.
 Gradients are summed, not averaged, over data-parallel ranks (see ``fsdp.py``).
 """
 
@@ -27,7 +31,13 @@ from hyper_parallel.distributed.activation_checkpoint import apply_activation_ch
 from hyper_parallel.distributed.compile import apply_compile
 from hyper_parallel.distributed.context_parallel import apply_ulysses_cp
 from hyper_parallel.distributed.expert_parallel import apply_expert_parallel_dispatch
-from hyper_parallel.distributed.fsdp import fp32_policy_like, mixed_precision_policy, reshard_policy, shard_module
+from hyper_parallel.distributed.fsdp import (
+    cast_inputs_to_param_dtype,
+    fp32_policy_like,
+    mixed_precision_policy,
+    reshard_policy,
+    shard_module,
+)
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.distributed.tensor_parallel import apply_sharding_configs
 from hyper_parallel.protocols.sharding import MeshAxisName, ShardingConfig
@@ -97,11 +107,14 @@ def parallelize_decoder(
     embeddings: Iterable[nn.Module] = (),
     head: Iterable[nn.Module] = (),
     ignored_params: Iterable[nn.Parameter] = (),
+    cast_input_modules: Iterable[nn.Module] = (),
 ) -> nn.Module:
     """Apply CP, AC, TP/SP, EP, compile and FSDP2 to ``model`` in place (it may live on the meta device).
 
     ``declared`` maps module FQN -> ``ShardingConfig`` (from the model's ``sharding.py``). ``layers`` are
     the decoder layers (AC/compile/FSDP units); MoE layers are found by their ``experts`` child.
+    ``embeddings`` and ``head`` are FSDP units each (every rank must call them in every forward).
+    ``cast_input_modules`` (inside a bigger unit) get FSDP's mixed-precision input cast.
     ``ignored_params`` stay whole on every rank, outside FSDP (a frozen codebook).
     """
     pd = parallel_dims
@@ -141,6 +154,8 @@ def parallelize_decoder(
     separate_moe = pd.ep_enabled or pd.tp_enabled
     for module in embeddings:
         shard_module(module, dense_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    for module in cast_input_modules:
+        cast_inputs_to_param_dtype(module, mp)
     for layer in layers:
         partial = [m for m in layer.modules() if id(m) in tp_partial]
         if partial:

@@ -137,7 +137,8 @@ class GlmImageMoeModel(Decoder):
         vec_ND = F.embedding(vq_codes, codebook)
         if self.config.vq_l2_normalize:
             vec_ND = F.normalize(vec_ND.float(), dim=-1).to(vec_ND.dtype)
-        img_ND = self.vq_to_llm_proj(vec_ND).to(h_BTD.dtype)
+        # the projection may compute in bf16 (FSDP mixed precision) while the frozen codebook stays fp32
+        img_ND = self.vq_to_llm_proj(vec_ND.to(self.vq_to_llm_proj.weight.dtype)).to(h_BTD.dtype)
         B, T, D = h_BTD.shape
         return h_BTD.reshape(B * T, D).index_put((visual_indices,), img_ND).view(B, T, D)
 

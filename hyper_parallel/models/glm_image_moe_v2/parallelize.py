@@ -82,9 +82,11 @@ def parallelize_glm_image_moe(
         ac_config=ac_config,
         compile_config=compile_config,
         layers=model.layers,
-        # vq_to_llm_proj is its own unit so FSDP mixed precision casts the (fp32, FSDP-ignored) codebook
-        # vectors to its parameter dtype on entry.
-        embeddings=[model.embed_tokens, model.vq_to_llm_proj],
+        embeddings=[model.embed_tokens],
         head=[model.lm_head],
         ignored_params=ignored,
+        # vq_to_llm_proj stays in the root unit: a rank whose batch has no image never calls it, so as an FSDP
+        # unit (alone or grouped) its collectives would differ across ranks. Its input comes from the FSDP-ignored
+        # full-precision codebook, so it gets the input cast FSDP gives its own units.
+        cast_input_modules=[model.vq_to_llm_proj] if ignored else [],
     )

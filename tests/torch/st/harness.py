@@ -3,7 +3,8 @@
 Starting a Python process that imports torch.distributed costs seconds, and a test session runs
 dozens of layouts; so the pool spawns ``max_world`` workers once and reuses them. Each job runs on
 ranks ``0..world_size-1``: those workers create a fresh default process group (a new TCPStore port
-per job), run ``fn(*args)`` and tear the group down again. Results (picklable) come back per rank.
+per job), run ``fn(*args)`` and tear the group down again (and drop DTensor's plan caches, which would
+otherwise outlive the job's groups). Results (picklable) come back per rank.
 
 A failing rank usually leaves the others blocked in a collective; the pool then reports the first
 error at once and restarts all workers, so one broken layout cannot hang the whole session.
@@ -80,6 +81,23 @@ def _run_job(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Drop DTensor's caches of sharding and redistribution plans.
+
+    They are keyed by meshes that compare equal across jobs (same shape and names) but hold the process
+    groups of the job that created them; a later job would otherwise reuse destroyed groups.
+    """
+    import torch
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._api import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    _redistribute._gen_transform_infos.cache_clear()
 
 
 class WorkerPool:
