@@ -2,8 +2,8 @@
 
 Order of construction (nothing heavy happens before the layout is validated):
 process group -> ParallelDims (validated against world size and model facts) -> mesh -> model on the
-meta device -> parallelize (CP -> AC -> TP -> EP -> compile -> FSDP; AC's hooks must come first) -> materialise and initialise (or
-load HF weights) -> data -> optimizer, LR schedule, EMA -> checkpoint manager (resume) -> metrics.
+meta device -> parallelize (CP -> AC -> TP -> EP -> compile -> FSDP; AC's hooks must come first) ->
+materialise and initialise (or load HF weights) -> data -> optimizer, LR schedule, EMA -> checkpoint manager (resume) -> metrics.
 """
 
 from __future__ import annotations
