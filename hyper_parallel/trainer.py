@@ -263,16 +263,16 @@ class Trainer(Configurable):
             losses.append(stats["loss"])
             first_loss = stats["loss"] if first_loss is None else first_loss
             last_loss = stats["loss"]
-            if self.metrics.should_log(self.step) or self.step == cfg.training.steps:
-                self.metrics.log(
-                    self.step,
-                    loss=stats["loss"],
-                    grad_norm=stats["grad_norm"],
-                    lr=stats["lr"],
-                    num_tokens=stats["num_tokens"],
-                    expert_load=stats["expert_load"],
-                    extra=stats["extra"],
-                )
+            # log() accumulates tokens and time every step and emits every log_freq steps
+            self.metrics.log(
+                self.step,
+                loss=stats["loss"],
+                grad_norm=stats["grad_norm"],
+                lr=stats["lr"],
+                num_tokens=stats["num_tokens"],
+                expert_load=stats["expert_load"],
+                extra=stats["extra"],
+            )
             if self.step == 1 and self.world_size > 1:
                 set_pg_timeouts(cfg.comm.train_timeout_seconds, self.parallel_dims.world_mesh)
             last = self.step == cfg.training.steps
