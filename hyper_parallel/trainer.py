@@ -183,6 +183,11 @@ class Trainer(Configurable):
 
     # ------------------------------------------------------------------ construction helpers
     def _validate_model_layout(self) -> None:
+        """Check the layout against model facts before the model exists (the spec's own check if it has one)."""
+        validate = self.spec.extras.get("validate_layout")
+        if validate is not None:
+            validate(self.config.model, self.parallel_dims)
+            return
         mc = self.config.model
         layers = getattr(mc, "layers", [])
         attn = layers[0].self_attn if layers else None

@@ -90,12 +90,23 @@ def _parallelize(model: GlmImageMoeModel, **kwargs: Any) -> GlmImageMoeModel:
     return parallelize_glm_image_moe(model, **kwargs)
 
 
+def _validate_layout(config: Any, parallel_dims: Any) -> None:
+    from hyper_parallel.models.glm_image_moe_v2.parallelize import validate_glm_image_moe_layout
+
+    validate_glm_image_moe_layout(config, parallel_dims)
+
+
 GLM_IMAGE_MOE_SPEC = ModelSpec(
     name="glm_image_moe",
     model=GlmImageMoeModel,
     parallelize_fn=_parallelize,
     state_dict_adapter=GlmImageMoeStateDictAdapter,
     flavor="glm_image_moe_debug",
-    extras={"from_pretrained": from_pretrained, "save_pretrained": save_pretrained, "load_hf_weights": load_hf_weights},
+    extras={
+        "from_pretrained": from_pretrained,
+        "save_pretrained": save_pretrained,
+        "load_hf_weights": load_hf_weights,
+        "validate_layout": _validate_layout,
+    },
 )
 register_spec("glm_image_moe", GLM_IMAGE_MOE_SPEC, aliases=("glm_image_moe_v2",))

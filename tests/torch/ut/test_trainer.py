@@ -144,3 +144,24 @@ def test_initial_load_path_starts_from_the_hf_checkpoint(tmp_path, monkeypatch, 
             assert torch.equal(ours[key], value), key
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--parallelism.tensor_parallel_degree", "2"], "does not divide the world size 1"),
+        (["--parallelism.data_parallel_shard_degree", "3"], "world size is 1"),
+    ],
+)
+def test_invalid_layout_fails_before_the_model_is_built(tmp_path, monkeypatch, flags, message):
+    from hyper_parallel.config import ConfigError
+
+    built = []
+    monkeypatch.setattr(type(_config(tmp_path).model), "build", lambda self, **kw: built.append(1))
+    with pytest.raises(ConfigError, match=message):
+        _config(tmp_path, *flags).build()
+    assert not built
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
