@@ -4,10 +4,9 @@ Exact global token mean. Each micro-batch returns ``sum of per-token CE / num_to
 ``num_tokens`` is the number of labelled tokens (``labels != ignore_index``) of the whole optimizer
 step: all micro-batches on all data-parallel ranks. Summing those micro-batch losses (gradient
 accumulation) then gives exactly the global token mean, whatever the per-micro-batch token counts.
-FSDP2 AVERAGES gradients over data-parallel ranks, so pass ``num_tokens = global count / dp_degree``
-(then the all-reduce AVG of the per-rank summed micro-batch losses is the global token mean, for
-logging). Alternatively sum gradients (``set_gradient_divide_factor(1.0)``, NCCL only: gloo has no
-PREMUL_SUM) and pass the global count itself.
+The parallelize pipeline makes FSDP2 SUM gradients over data-parallel ranks (``fsdp.sum_gradients``:
+no averaging, plain SUM, which gloo supports too), so the trainer passes the global count itself and
+the gradient is exactly that of the global token mean.
 
 Loss parallel. When ``logits`` are a DTensor sharded on the vocab (last) dim, the CE runs through
 ``torch.distributed.tensor.parallel.loss_parallel`` without gathering the vocab. The backward must
