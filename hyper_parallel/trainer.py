@@ -1,9 +1,10 @@
 """The Trainer: builds a whole run from ``Trainer.Config`` and runs the training loop.
 
 Order of construction (nothing heavy happens before the layout is validated):
-process group -> ParallelDims (validated against world size and model facts) -> mesh -> model on the
-meta device -> parallelize (CP -> AC -> TP -> EP -> compile -> FSDP; AC's hooks must come first) ->
-materialise and initialise (or load HF weights) -> data -> optimizer, LR schedule, EMA -> checkpoint manager (resume) -> metrics.
+process group -> ParallelDims (validated against world size and model facts) -> mesh -> data (its
+config checked against the layout) -> model on the meta device -> parallelize (CP -> AC -> TP -> EP ->
+compile -> FSDP; AC's hooks must come first) -> materialise and initialise (or load HF weights) ->
+optimizer, LR schedule, EMA -> checkpoint manager (resume) -> metrics.
 """
 
 from __future__ import annotations
@@ -120,7 +121,22 @@ class Trainer(Configurable):
         self._validate_model_layout()
         self.parallel_dims.build_mesh(self.device.type)
 
-        # 2. model: meta -> parallelize -> materialise -> init or load
+        # 2. data: its config is checked against the layout before the model is built
+        mc = config.model
+        self.dp_rank, self.dp_world = self._dp_coordinates()
+        # CP splits every row into equal chunks, and SP splits each chunk again over TP ranks.
+        pd = self.parallel_dims
+        seq_multiple = pd.cp * (pd.tp if pd.sp_enabled else 1)
+        self.data = config.data.build(
+            dp_rank=self.dp_rank,
+            dp_world_size=self.dp_world,
+            lang_vocab_size=mc.vocab_size,
+            codebook_size=getattr(mc, "codebook_size", 0),
+            placeholder_token_id=getattr(mc, "placeholder_token_id", -1),
+            seq_multiple=seq_multiple,
+        )
+
+        # 3. model: meta -> parallelize -> materialise -> init or load
         with torch.device("meta"):
             model = config.model.build()
         nparams, self.flops_per_token = model.get_nparams_and_flops(config.data.max_tokens_per_microbatch)
@@ -138,26 +154,13 @@ class Trainer(Configurable):
         self._init_weights()
         self.model.train()
 
-        # 3. data, loss, optimizer, schedule, EMA
-        mc = config.model
-        self.dp_rank, self.dp_world = self._dp_coordinates()
-        # CP splits every row into equal chunks, and SP splits each chunk again over TP ranks.
-        pd = self.parallel_dims
-        seq_multiple = pd.cp * (pd.tp if pd.sp_enabled else 1)
-        self.data = config.data.build(
-            dp_rank=self.dp_rank,
-            dp_world_size=self.dp_world,
-            lang_vocab_size=mc.vocab_size,
-            codebook_size=getattr(mc, "codebook_size", 0),
-            placeholder_token_id=getattr(mc, "placeholder_token_id", -1),
-            seq_multiple=seq_multiple,
-        )
+        # 4. loss, optimizer, schedule, EMA
         self.loss_fn = config.loss.build()
         self.optimizers = config.optimizer.build(model_parts=[self.model])
         self.lr_schedulers = config.lr_scheduler.build(optimizers=self.optimizers, total_steps=config.training.steps)
         self.ema = config.ema.build(model=self.model)
 
-        # 4. checkpoints (resume from the newest complete one), metrics
+        # 5. checkpoints (resume from the newest complete one), metrics
         self.step = 0
         self.dump_folder = Path(config.dump_folder)
         self.checkpointer = config.checkpoint.build(
