@@ -23,13 +23,15 @@ warning says so and the data/RNG state starts fresh.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import random
 import re
 import shutil
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -68,6 +70,14 @@ def _single_process() -> bool:
     ran about 2x slower (root cause not found; see the issue notes).
     """
     return not _dist_on() or dist.get_world_size() == 1
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns on every ``no_dist`` call that it assumes a single process, which is what we chose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _rank() -> int:
@@ -268,7 +278,8 @@ class CheckpointManager(Configurable):
             self._pending = (getattr(result, "upload_completion", result), step)
             logger.info("checkpoint: async save of step %d started in %s", step, tmp)
         else:
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=_single_process())
+            with _quiet_single_process():
+                dcp.save(state, checkpoint_id=str(tmp), no_dist=_single_process())
             self._finalize(step)
         return True
 
@@ -327,7 +338,8 @@ class CheckpointManager(Configurable):
         if not (path / ".metadata").is_file():
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata); complete: {self.complete_steps()}")
         state = self._dcp_state(step)
-        dcp.load(state, checkpoint_id=str(path), no_dist=_single_process())
+        with _quiet_single_process():
+            dcp.load(state, checkpoint_id=str(path), no_dist=_single_process())
         side = path / f"rank{_rank()}.pt"
         if side.is_file():
             # Our own file, holding Python/NumPy RNG tuples: a full (non-weights-only) unpickle.
