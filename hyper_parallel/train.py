@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from hyper_parallel.config.manager import ConfigError, ConfigManager
+from hyper_parallel.config.manager import ConfigManager, run_cli
 
 
 def init_logging() -> None:
@@ -46,8 +45,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    run_cli(main)

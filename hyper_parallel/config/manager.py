@@ -253,9 +253,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(json.dumps(data, indent=2, default=str))
 
 
-if __name__ == "__main__":
+def run_cli(entry: Callable[[], Any]) -> None:
+    """Run a command-line entry point; a ConfigError becomes one ``error:`` line and exit code 2."""
     try:
-        main()
+        entry()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -33,6 +33,7 @@ from hyper_parallel.models.common.rmsnorm import RMSNorm
 from hyper_parallel.models.common.rope import RoPE
 
 __all__ = [
+    "assert_backward_parity",
     "block_config_from_hf",
     "decoder_config_from_hf",
     "load_from_hf_",
@@ -196,3 +197,16 @@ def max_grad_diff(ours: nn.Module, hf: nn.Module, strip: str = "") -> float:
         assert mine[name].grad is not None, f"{name}: HF has a gradient, ours has none"
         worst = max(worst, (mine[name].grad - p.grad).abs().max().item())
     return worst
+
+
+def assert_backward_parity(
+    out: torch.Tensor, out_hf: torch.Tensor, ours: nn.Module, hf: nn.Module,
+    x_ours: torch.Tensor, x_hf: torch.Tensor, tol: float,
+) -> None:  # fmt: skip
+    """Backpropagate one random output gradient through both; outputs, parameter and input grads agree."""
+    grad_out = torch.randn_like(out)
+    out_hf.backward(grad_out)
+    out.backward(grad_out)
+    assert (out - out_hf).abs().max().item() <= tol
+    assert max_grad_diff(ours, hf) <= tol
+    assert (x_ours.grad - x_hf.grad).abs().max().item() <= tol

@@ -9,7 +9,10 @@ from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import (
     Glm4MoeLiteAttention,
     Glm4MoeLiteRotaryEmbedding,
 )
-from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3Attention,
+    Qwen3RotaryEmbedding,
+)
 
 from hyper_parallel.models.common.attention import VarlenAttention
 from hyper_parallel.models.common.gqa import GQAttention
@@ -19,6 +22,7 @@ from hyper_parallel.models.common.rmsnorm import RMSNorm
 from hyper_parallel.models.common.rope import RoPE
 from hyper_parallel.protocols.module import Module
 from tests.torch.ut.hf_utils import (
+    assert_backward_parity,
     load_from_hf_,
     max_grad_diff,
     mla_config_from_hf,
@@ -185,12 +189,7 @@ def test_gqa_matches_hf_qwen3(bias):
     x_hf, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
     out_hf, _ = hf(x_hf, position_embeddings=Qwen3RotaryEmbedding(qcfg)(x, pos), attention_mask=None)
     out = ours(x_ours, rope_cos_sin=rope(pos, x.dtype))
-    grad_out = torch.randn_like(out)
-    out_hf.backward(grad_out)
-    out.backward(grad_out)
-    assert (out - out_hf).abs().max().item() <= TOL
-    assert max_grad_diff(ours, hf) <= TOL
-    assert (x_ours.grad - x_hf.grad).abs().max().item() <= TOL
+    assert_backward_parity(out, out_hf, ours, hf, x_ours, x_hf, TOL)
 
 
 def test_varlen_attention_flash_backend_fails_clearly_without_flash():

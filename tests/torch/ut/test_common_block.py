@@ -16,6 +16,7 @@ from hyper_parallel.models.common.decoder import Decoder
 from hyper_parallel.models.common.moe import MoE
 from hyper_parallel.protocols.module import Module
 from tests.torch.ut.hf_utils import (
+    assert_backward_parity,
     block_config_from_hf,
     decoder_config_from_hf,
     load_from_hf_,
@@ -39,12 +40,7 @@ def test_dense_mlp_matches_hf():
     ours = load_from_hf_(mlp_config_from_hf(cfg).build(dim=cfg.hidden_size), hf)
     x_hf, x_ours = _x().requires_grad_(), _x().requires_grad_()
     out_hf, out = hf(x_hf), ours(x_ours)
-    grad_out = torch.randn_like(out)
-    out_hf.backward(grad_out)
-    out.backward(grad_out)
-    assert (out - out_hf).abs().max().item() <= TOL
-    assert max_grad_diff(ours, hf) <= TOL
-    assert (x_ours.grad - x_hf.grad).abs().max().item() <= TOL
+    assert_backward_parity(out, out_hf, ours, hf, x_ours, x_hf, TOL)
 
 
 @pytest.mark.parametrize("layer_idx", [0, 1], ids=["dense", "sparse"])
@@ -61,12 +57,7 @@ def test_decoder_layer_matches_hf(layer_idx):
     out_hf = hf(x_hf, attention_mask=None, position_embeddings=Glm4MoeLiteRotaryEmbedding(cfg)(x, pos))
     rope = rope_config_from_hf(cfg).build(head_dim=ours.self_attn.rope_head_dim)
     out = ours(x_ours, rope_cos_sin=rope(pos, x.dtype))
-    grad_out = torch.randn_like(out)
-    out_hf.backward(grad_out)
-    out.backward(grad_out)
-    assert (out - out_hf).abs().max().item() <= TOL
-    assert max_grad_diff(ours, hf) <= TOL
-    assert (x_ours.grad - x_hf.grad).abs().max().item() <= TOL
+    assert_backward_parity(out, out_hf, ours, hf, x_ours, x_hf, TOL)
 
 
 def _hf_and_ours(**overrides) -> tuple[Glm4MoeLiteForCausalLM, Decoder]:

@@ -13,7 +13,10 @@ from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import (
     Glm4MoeLiteForCausalLM,
     Glm4MoeLiteRotaryEmbedding,
 )
-from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3Attention,
+    Qwen3RotaryEmbedding,
+)
 
 from hyper_parallel.models.common.attention import AttentionMeta, VarlenAttention
 from hyper_parallel.models.common.gqa import GQAttention
@@ -21,6 +24,7 @@ from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.rmsnorm import RMSNorm
 from hyper_parallel.models.common.rope import RoPE
 from tests.torch.ut.hf_utils import (
+    assert_backward_parity,
     decoder_config_from_hf,
     load_from_hf_,
     max_grad_diff,
@@ -109,12 +113,7 @@ def test_mla_packed_batch_matches_hf_block_mask():
     hf_cos_sin = Glm4MoeLiteRotaryEmbedding(cfg)(x, pos)
     out_hf, _ = hf(x_hf, position_embeddings=hf_cos_sin, attention_mask=_block_causal_mask(pos))
     out = ours(x_ours, rope_cos_sin=rope(pos, x.dtype), meta=meta)
-    grad_out = torch.randn_like(out)
-    out_hf.backward(grad_out)
-    out.backward(grad_out)
-    assert (out - out_hf).abs().max().item() <= TOL
-    assert max_grad_diff(ours, hf) <= TOL
-    assert (x_ours.grad - x_hf.grad).abs().max().item() <= TOL
+    assert_backward_parity(out, out_hf, ours, hf, x_ours, x_hf, TOL)
 
 
 def test_gqa_packed_row_matches_hf_block_mask():
