@@ -31,6 +31,7 @@ from hyper_parallel.components import (
     OptimizersContainer,
     assert_finite,
 )
+from hyper_parallel.config.dtypes import to_torch_dtype
 from hyper_parallel.config import (
     ActivationCheckpointConfig,
     CommConfig,
@@ -40,12 +41,12 @@ from hyper_parallel.config import (
     ParallelismConfig,
     TrainingConfig,
 )
-from hyper_parallel.data import TokenDataLoader
+from hyper_parallel.data import DataStateMismatch, TokenDataLoader
 from hyper_parallel.distributed.context_parallel import split_batch_for_cp
 from hyper_parallel.distributed.env import init_distributed, set_determinism, set_pg_timeouts, world_info
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.distributed.utils import clip_grad_norm_, dist_sum
-from hyper_parallel.protocols.model import BaseModel
+from hyper_parallel.protocols.model import BaseModel, split_output
 from hyper_parallel.protocols.model_spec import ModelSpec, discover_model_spec
 
 __all__ = ["NonFiniteError", "Trainer"]
@@ -66,7 +67,7 @@ class Trainer(Configurable):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Configurable.Config):
-        model_spec: str = "glm_image_moe"
+        model_spec: str
         """Registered model spec (the model package's parallelize function and HF adapter)."""
         model: BaseModel.Config
         """The model's config tree (the recipe builds it with the package's flavor builder)."""
@@ -83,7 +84,7 @@ class Trainer(Configurable):
         debug: DebugConfig = field(default_factory=DebugConfig)
         """Seeds and determinism."""
         data: TokenDataLoader.Config = field(default_factory=TokenDataLoader.Config)
-        """Training data (DirectToken shards, the embedded toy corpus, or preset batches)."""
+        """Training data (a source the model spec accepts: DirectToken shards, text, preset batches ...)."""
         optimizer: OptimizersContainer.Config = field(default_factory=OptimizersContainer.Config)
         """Optimizer (AdamW, or Muon for hidden matrices with AdamW for the rest)."""
         lr_scheduler: LRSchedulersContainer.Config = field(default_factory=LRSchedulersContainer.Config)
@@ -121,19 +122,20 @@ class Trainer(Configurable):
         self._validate_model_layout()
         self.parallel_dims.build_mesh(self.device.type)
 
-        # 2. data: its config is checked against the layout before the model is built
-        mc = config.model
+        # 2. data: its config is checked against the layout and the model's facts before the model is built
+        if config.data.source not in self.spec.data_sources:
+            raise ValueError(
+                f"--data.source {config.data.source} is not a source model {self.spec.name!r} takes; use one of "
+                f"{list(self.spec.data_sources)}"
+            )
         self.dp_rank, self.dp_world = self._dp_coordinates()
         # CP splits every row into equal chunks, and SP splits each chunk again over TP ranks.
         pd = self.parallel_dims
-        seq_multiple = pd.cp * (pd.tp if pd.sp_enabled else 1)
         self.data = config.data.build(
             dp_rank=self.dp_rank,
             dp_world_size=self.dp_world,
-            lang_vocab_size=mc.vocab_size,
-            codebook_size=getattr(mc, "codebook_size", 0),
-            placeholder_token_id=getattr(mc, "placeholder_token_id", -1),
-            seq_multiple=seq_multiple,
+            seq_multiple=pd.cp * (pd.tp if pd.sp_enabled else 1),
+            model_facts=self.spec.data_facts(config.model),
         )
 
         # 3. model: meta -> parallelize -> materialise -> init or load
@@ -151,6 +153,7 @@ class Trainer(Configurable):
         )
         model.to_empty(device=self.device)
         self.model: nn.Module = model
+        self.model_cls: type[BaseModel] = self.spec.model
         self._init_weights()
         self.model.train()
 
@@ -162,6 +165,7 @@ class Trainer(Configurable):
 
         # 5. checkpoints (resume from the newest complete one), metrics
         self.step = 0
+        self.model_has_aux_loss: bool | None = None  # learnt from the first step's output
         self.dump_folder = Path(config.dump_folder)
         self.checkpointer = config.checkpoint.build(
             dump_folder=self.dump_folder,
@@ -169,10 +173,10 @@ class Trainer(Configurable):
             optimizers=self.optimizers,
             lr_schedulers=self.lr_schedulers,
             states={"ema": self.ema},
-            rank_states={"dataloader": self.data},
+            global_states={"dataloader": self.data},
             run_config=config,
         )
-        resumed = self.checkpointer.load_latest()
+        resumed = self._resume()
         if resumed is not None:
             self.step = resumed
             self._log(f"resumed from {self.checkpointer.step_dir(resumed)} at step {resumed}")
@@ -187,13 +191,11 @@ class Trainer(Configurable):
     # ------------------------------------------------------------------ construction helpers
     def _validate_model_layout(self) -> None:
         """Check the layout against model facts before the model exists (the spec's own check if it has one)."""
-        validate = self.spec.extras.get("validate_layout")
-        if validate is not None:
-            validate(self.config.model, self.parallel_dims)
+        if self.spec.validate_layout is not None:
+            self.spec.validate_layout(self.config.model, self.parallel_dims)
             return
-        mc = self.config.model
-        layers = getattr(mc, "layers", [])
-        attn = layers[0].self_attn if layers else None
+        layers = getattr(self.config.model, "layers", [])
+        attn = next((layer.self_attn for layer in layers if hasattr(layer.self_attn, "n_heads")), None)
         moe = next((layer.mlp for layer in layers if hasattr(layer.mlp, "num_experts")), None)
         if attn is None:
             return
@@ -213,46 +215,61 @@ class Trainer(Configurable):
     def _init_weights(self) -> None:
         """Initialise every parameter (or load ``checkpoint.initial_load_path``), identically across layouts.
 
-        Models up to a few GiB are initialised as a full copy on every rank (same seed), then each rank
-        keeps its shard, so every layout starts from bit-identical weights. Bigger models initialise
-        their shards in place; their HF weights are read on rank 0 only and broadcast shard by shard.
+        Random init: models up to a few GiB are initialised as a full copy on every rank (same seed), then
+        each rank keeps its shard, so every layout starts from bit-identical weights; bigger models
+        initialise their shards in place. HF weights (one path for every size): rank 0 alone builds the
+        seeded full model on the CPU, loads the folder into it, and every rank receives its shards.
         """
-        cc = self.config.checkpoint
+        path = self.config.checkpoint.initial_load_path
         torch.manual_seed(self.config.debug.seed)
+        if path:
+            self._load_hf_weights(path)
+            return
         nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if nbytes <= _FULL_INIT_MAX_BYTES:
             full = self.config.model.build()
             full.init_weights()
-            if cc.initial_load_path:
-                self.spec.extras["load_hf_weights"](full, cc.initial_load_path)
             set_model_state_dict(self.model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
             _init_buffers(self.model)
-            del full
         else:
             self.model.init_weights()
-            if cc.initial_load_path:
-                self._broadcast_hf_weights(cc.initial_load_path)
-        if cc.initial_load_path:
-            self._log(f"initialised from HF checkpoint {cc.initial_load_path}")
 
-    def _broadcast_hf_weights(self, path: str) -> None:
-        """Rank 0 reads and converts the HF folder; every rank receives its shards."""
-        from hyper_parallel.protocols.state_dict_adapter import read_safetensors
+    def _load_hf_weights(self, path: str) -> None:
+        """Rank 0 reads and converts the HF folder into a seeded full model; every rank receives its shards.
 
-        expected = {k: v.shape for k, v in self.model.state_dict().items()}
-        head = self.model.lm_head.weight
-        head_full = head.full_tensor() if hasattr(head, "full_tensor") else head.detach()  # collective
+        Keys the model does not hold (``hf_passthrough``: e.g. a VQ decoder, a vision tower, MTP layers)
+        stay on rank 0's model object and are written back by the export. Rank 0's read can take long
+        for a big folder while the others wait in the broadcast, so this phase runs under
+        ``--comm.init_timeout_seconds``, not the shorter training timeout.
+        """
+        if self.spec.load_hf_weights is None:
+            raise NotImplementedError(
+                f"model spec {self.spec.name!r} has no HF loader: drop --checkpoint.initial_load_path"
+            )
+        distributed = dist.is_initialized() and self.world_size > 1
         sd: dict[str, torch.Tensor] = {}
         if self.rank == 0:
-            adapter = self.spec.state_dict_adapter(self.config.model)
-            result = adapter.from_hf_checked(read_safetensors(path), expected=expected)
-            sd = result.state_dict
-            if result.partial_head is not None:  # a text-only checkpoint: head rows [0, V)
-                head_full[: result.partial_head.shape[0]] = result.partial_head
-                sd["lm_head.weight"] = head_full
-        set_model_state_dict(
-            self.model, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-        )
+            full = self.config.model.build()
+            full.init_weights()
+            self.spec.load_hf_weights(full, path)
+            sd = full.state_dict()
+            self.model.hf_passthrough = dict(getattr(full, "hf_passthrough", {}) or {})
+            del full
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed, strict=not distributed)
+        set_model_state_dict(self.model, sd, options=options)
+        _init_buffers(self.model)
+        self._log(f"initialised from HF checkpoint {path}")
+
+    def _resume(self) -> int | None:
+        """Load the newest checkpoint; a data state made with other data gets a hint of what to do."""
+        try:
+            return self.checkpointer.load_latest()
+        except DataStateMismatch as e:
+            raise DataStateMismatch(
+                f"{e}. The checkpoints in {self.checkpointer.folder} were made with other data: start in a fresh "
+                "--dump_folder, or resume the model and optimizer with --checkpoint.restart_data_stream (the data "
+                "starts from its beginning)"
+            ) from None
 
     def _log(self, msg: str) -> None:
         if self.rank == 0:
@@ -296,28 +313,45 @@ class Trainer(Configurable):
         cfg = self.config
         pd = self.parallel_dims
         cp_rank = pd.mesh_coordinate("cp") if pd.cp > 1 else 0
-        # Context parallel: each CP rank keeps a contiguous chunk of every row (attention sees all).
-        micro_batches = [split_batch_for_cp(self._to_device(mb), cp_rank, pd.cp) for mb in self.data.next_step()]
-        # Exact global token mean: one all-reduce of the labelled-token count per step.
-        local_tokens = sum(int((mb["labels"] != cfg.loss.ignore_index).sum()) for mb in micro_batches)
-        global_tokens = self._sum_over_token_ranks(float(local_tokens)).item()
+        host_batches = self.data.next_step()
+        # Exact global token mean: labelled tokens counted on the host (no device sync), one all-reduce.
+        local_tokens = sum(int((mb["labels"] != cfg.loss.ignore_index).sum()) for mb in host_batches)
+        local_inputs = sum(mb["input_ids"].numel() for mb in host_batches)
+        counts = self._sum_over_token_ranks(torch.tensor([local_tokens, local_inputs], dtype=torch.float64))
+        global_tokens, global_inputs = counts.tolist()
+        micro_batches = [
+            split_batch_for_cp(
+                self._to_device(mb),
+                cp_rank,
+                pd.cp,
+                split_inputs=self.model_cls.split_inputs_for_cp,
+                model_keys=self.model_cls.input_keys,
+            )
+            for mb in host_batches
+        ]
         self.optimizers.zero_grad()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        aux_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        # An auxiliary loss (MoE load balancing) is a mean per forward: average it over the step's
+        # forwards on every rank that holds different tokens (gradients are summed over those ranks).
+        aux_scale = 1.0 / (len(micro_batches) * self._token_ranks())
         n = len(micro_batches)
         for i, mb in enumerate(micro_batches):
-            sync = getattr(self.model, "set_requires_gradient_sync", None)
-            if callable(sync):
-                sync(i == n - 1)  # reduce-scatter gradients once, after the last micro-batch
+            self._set_grad_sync(last=i == n - 1)
+            inputs = {k: mb[k] for k in self.model_cls.input_keys if k in mb}
             with self._loss_parallel():
-                logits = self.model(
+                out = self.model(
                     mb["input_ids"],
                     position_ids=mb["position_ids"],
                     cu_seqlens=mb["cu_seqlens"],
                     max_seqlen=mb["max_seqlen"],
-                    visual_indices=mb["visual_indices"],
-                    vq_codes=mb["vq_codes"],
+                    **inputs,
                 )
+                logits, aux_loss = split_output(out)
                 loss = self.loss_fn(logits, mb["labels"], num_tokens=global_tokens)
+                if aux_loss is not None:
+                    aux_sum += aux_loss.detach().float() * aux_scale
+                    loss = loss + aux_loss * aux_scale
                 loss.backward()
             loss_sum += loss.detach().float()
         global_loss = self._sum_over_token_ranks(loss_sum).item()
@@ -340,22 +374,44 @@ class Trainer(Configurable):
         if finite:
             self.ema.update(self.model)
         expert_load = self._expert_load_and_balance()
+        extra = {"skipped": float(not finite), **self.data.metrics()}
+        if self.model_has_aux_loss is not False:
+            aux = self._sum_over_token_ranks(aux_sum).item()
+            self.model_has_aux_loss = self.model_has_aux_loss or aux != 0.0
+            if self.model_has_aux_loss:
+                extra["aux_loss"] = aux
         return {
             "loss": global_loss,
             "grad_norm": grad_norm,
             "lr": lr,
             # tokens per device, so tokens/s and MFU compare across layouts (torchtitan's convention)
-            "num_tokens": int(
-                self._sum_over_token_ranks(float(sum(mb["input_ids"].numel() for mb in micro_batches)))
-            )
-            // self.world_size,
+            "num_tokens": int(global_inputs) // self.world_size,
             "expert_load": expert_load,
-            "extra": {"skipped": float(not finite), **self._data_extra()},
+            "extra": extra,
         }
 
-    def _data_extra(self) -> dict[str, float]:
-        skipped = getattr(self.data, "num_skipped", None)
-        return {"bad_samples_skipped": float(skipped)} if isinstance(skipped, (int, float)) else {}
+    def _set_grad_sync(self, *, last: bool) -> None:
+        """FSDP gradient reduction for one micro-batch of a step.
+
+        Default: reduce-scatter after every micro-batch, so gradients stay sharded between micro-batches
+        (deferring keeps a full unsharded fp32 gradient on every rank: ~120 GB for a 30B model); under
+        HSDP only the all-reduce across replicas waits for the last micro-batch.
+        ``--training.defer_grad_reduce`` defers both (fewer collectives, full-size gradients: small models).
+        """
+        sync = getattr(self.model, "set_requires_gradient_sync", None)
+        if not callable(sync):
+            return
+        if self.config.training.defer_grad_reduce:
+            sync(last)
+            return
+        sync(True)
+        all_reduce = getattr(self.model, "set_requires_all_reduce", None)
+        if self.parallel_dims.dp_replicate > 1 and callable(all_reduce):
+            all_reduce(last)
+
+    def _token_ranks(self) -> int:
+        group = self._loss_group()
+        return 1 if group is None else dist.get_world_size(group)
 
     def _to_device(self, mb: dict[str, Any]) -> dict[str, Any]:
         return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in mb.items()}
@@ -404,18 +460,20 @@ class Trainer(Configurable):
 
     # ------------------------------------------------------------------ export / close
     def export_hf(self, path: str | os.PathLike) -> None:
-        """Gather full weights (EMA weights when EMA is on) and write the HF format on rank 0."""
-        save = self.spec.extras.get("save_pretrained")
-        if save is None:
-            raise NotImplementedError(f"model spec {self.spec.name!r} has no HF exporter")
+        """Gather full weights (EMA weights when EMA is on) and write the HF format on rank 0.
+
+        The run's one export path (``--checkpoint.export_hf`` writes ``<dump_folder>/hf`` after the last step).
+        """
+        if self.spec.save_pretrained is None:
+            raise NotImplementedError(
+                f"model spec {self.spec.name!r} has no HF exporter: set --checkpoint.export_hf False"
+            )
         ctx = self.ema.swap(self.model) if self.ema.enabled else nullcontext()
         with ctx:
             sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
-            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
-                self.config.checkpoint.export_dtype
-            ]
-            save(self.model, path, state_dict=sd, dtype=dtype)  # reads model.config, writes the gathered sd
+            dtype = to_torch_dtype(self.config.checkpoint.export_dtype, field="checkpoint.export_dtype")
+            self.spec.save_pretrained(self.model, path, state_dict=sd, dtype=dtype)  # config + passthrough from the model
             self._log(f"HF export written to {path}")
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()

@@ -4,21 +4,24 @@ Layout under ``<dump_folder>/<folder>``::
 
     step-200/            a complete checkpoint
       .metadata, __*.distcp    DCP: model, optimizer, lr_scheduler, extra states (ema ...), train_state
-      rank0.pt, rank1.pt ...   per-rank state: RNG (python/numpy/torch/cuda) and rank_states (dataloader)
+      global.pt                global_states (the data stream position: the same on every rank), rank 0
+      rank0.pt, rank1.pt ...   per-rank state: RNG (python/numpy/torch/cuda) and rank_states
       run_config.json          the run config (rank 0)
     step-300.tmp/        a write in progress (or killed): never loaded, removed by the next save
     latest               text marker with the newest complete step (informative; loading scans)
-    hf-step-300/         an HF export (safetensors) when asked for
+
+(The HF export of a run is written by the trainer to ``<dump_folder>/hf``, not here.)
 
 Atomicity: every rank writes into ``step-N.tmp``; after all ranks finished (DCP's own final gather,
 then a barrier) rank 0 renames it to ``step-N``, rewrites ``latest`` and drops old checkpoints beyond
 ``keep_latest_k``. A kill at any point leaves either the previous complete checkpoint or the new
 one, never a half-written ``step-N``.
 
-Per-rank state (the data pipeline position, RNG streams) differs between ranks, while DCP
-deduplicates equal keys as if they were replicated, so it goes to one side file per rank instead.
-Resuming with another world size reshards model/optimizer state but cannot map those files: a
-warning says so and the data/RNG state starts fresh.
+Global state (the data stream position, which does not depend on the layout) is written once by
+rank 0 and read by every rank, so it resumes on any number of ranks. Per-rank state (RNG streams)
+differs between ranks, while DCP deduplicates equal keys as if they were replicated, so it goes to
+one side file per rank; resuming with another world size reshards model/optimizer state and starts
+the RNG streams of ranks without a side file fresh (a warning says so).
 """
 
 from __future__ import annotations
@@ -49,7 +52,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from hyper_parallel.config.configurable import Configurable, config_to_dict
-from hyper_parallel.config.dtypes import to_torch_dtype
 
 __all__ = ["CheckpointManager", "ModelWrapper", "assert_finite", "get_rng_state", "set_rng_state"]
 
@@ -171,8 +173,9 @@ class CheckpointManager(Configurable):
     """Saves and resumes the whole training state with DCP.
 
     Build with ``CheckpointManager.Config(...).build(dump_folder=..., model_parts=[model],
-    optimizers=..., lr_schedulers=..., states={"ema": ema}, rank_states={"dataloader": dl},
+    optimizers=..., lr_schedulers=..., states={"ema": ema}, global_states={"dataloader": dl},
     run_config=config)``. ``states`` are replicated/sharded Statefuls saved through DCP;
+    ``global_states`` hold the same plain state on every rank (saved once by rank 0, read by all);
     ``rank_states`` are per-rank Statefuls saved in the rank's side file.
     """
 
@@ -190,8 +193,11 @@ class CheckpointManager(Configurable):
         """`async` writes in a background thread (dcp.async_save) and finalises before the next save."""
         initial_load_path: str | None = None
         """HF checkpoint folder to initialise the model from when no checkpoint exists to resume."""
+        restart_data_stream: bool = False
+        """On resume, load model, optimizer, schedule and EMA but start the data stream from its beginning
+        (use after changing the data: path, seed, source or packing budget)."""
         export_hf: bool = False
-        """Write an HF safetensors export of the final weights (EMA weights when EMA is on)."""
+        """Write an HF export of the final weights (EMA weights when EMA is on) to `<dump_folder>/hf`."""
         export_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
         """Dtype of floating tensors in the HF export."""
 
@@ -204,6 +210,7 @@ class CheckpointManager(Configurable):
         optimizers: Any = None,
         lr_schedulers: Any = None,
         states: Mapping[str, Any] | None = None,
+        global_states: Mapping[str, Any] | None = None,
         rank_states: Mapping[str, Any] | None = None,
         run_config: Any = None,
     ) -> None:
@@ -218,6 +225,7 @@ class CheckpointManager(Configurable):
         if reserved:
             raise ValueError(f"CheckpointManager states may not use the reserved keys {sorted(reserved)}")
         self.states = dict(states or {})
+        self.global_states = dict(global_states or {})
         self.rank_states = dict(rank_states or {})
         self.run_config = run_config
         self.last_saved_step: int | None = None
@@ -269,6 +277,8 @@ class CheckpointManager(Configurable):
         tmp.mkdir(parents=True, exist_ok=True)
         rank_state = {"rng": get_rng_state(), **{k: v.state_dict() for k, v in self.rank_states.items()}}
         torch.save(rank_state, tmp / f"rank{_rank()}.pt")
+        if _rank() == 0 and self.global_states:
+            torch.save({k: v.state_dict() for k, v in self.global_states.items()}, tmp / "global.pt")
         if _rank() == 0 and self.run_config is not None:
             (tmp / "run_config.json").write_text(json.dumps(_config_json(self.run_config), indent=2, default=str))
         state = self._dcp_state(step)
@@ -333,13 +343,28 @@ class CheckpointManager(Configurable):
         return self.load(step)
 
     def load(self, step: int) -> int:
-        """Load checkpoint ``step-<step>`` into every registered object; returns the saved step."""
+        """Load checkpoint ``step-<step>`` into every registered object; returns the saved step.
+
+        With ``restart_data_stream`` the global states (the data position) are not loaded.
+        """
         path = self.step_dir(step)
         if not (path / ".metadata").is_file():
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata); complete: {self.complete_steps()}")
         state = self._dcp_state(step)
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(path), no_dist=_single_process())
+        if self.global_states and not self.config.restart_data_stream:
+            glob = path / "global.pt"
+            if not glob.is_file():
+                raise FileNotFoundError(
+                    f"{glob} is missing: the checkpoint holds no data stream position; resume with "
+                    "--checkpoint.restart_data_stream to start the data from its beginning"
+                )
+            saved = torch.load(glob, map_location="cpu", weights_only=False)
+            for key, obj in self.global_states.items():
+                if key not in saved:
+                    raise KeyError(f"{glob} has no state {key!r} (it has {sorted(saved)})")
+                obj.load_state_dict(saved[key])
         side = path / f"rank{_rank()}.pt"
         if side.is_file():
             # Our own file, holding Python/NumPy RNG tuples: a full (non-weights-only) unpickle.
@@ -358,35 +383,6 @@ class CheckpointManager(Configurable):
         self.last_saved_step = state["train_state"].step
         logger.info("checkpoint: resumed from %s", path)
         return state["train_state"].step
-
-    # -- HF export -------------------------------------------------------------------------------
-    def export_hf(
-        self,
-        step: int,
-        *,
-        state_dict_adapter: Any,
-        hf_config: Mapping[str, Any] | None = None,
-        max_shard_size: int | str = "5GB",
-    ) -> Path:
-        """Gather full weights, convert with ``state_dict_adapter.to_hf``, cast floats to
-        ``export_dtype`` and write safetensors (+ ``config.json``) to ``hf-step-<step>`` (rank 0).
-
-        For an EMA export wrap the call in ``ema.swap(model)``.
-        """
-        dtype = to_torch_dtype(self.config.export_dtype, field="checkpoint.export_dtype")
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        full: dict[str, torch.Tensor] = {}
-        for m in self.model.model_parts:
-            full.update(get_model_state_dict(m, options=options))
-        out = self.folder / f"hf-step-{step}"
-        if _rank() == 0:
-            full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
-            state_dict_adapter.save_hf(full, out, max_shard_size=max_shard_size)
-            if hf_config is not None:
-                (out / "config.json").write_text(json.dumps(dict(hf_config), indent=2, default=str))
-            logger.info("checkpoint: HF export of step %d written to %s", step, out)
-        _barrier()
-        return out
 
     def close(self) -> None:
         """Finish a pending async save."""

@@ -15,6 +15,7 @@ step runs at exactly ``min_lr_ratio * peak``. Call ``step()`` once after every o
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -22,6 +23,8 @@ from typing import Any, Literal
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from hyper_parallel.config.configurable import Configurable
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["LRSchedulersContainer", "lr_factor"]
 
@@ -71,15 +74,21 @@ class LRSchedulersContainer(Configurable):
             raise ValueError(f"lr_scheduler.warmup_steps={config.warmup_steps} must be >= 0")
         if not 0.0 <= config.min_lr_ratio <= 1.0:
             raise ValueError(f"lr_scheduler.min_lr_ratio={config.min_lr_ratio} must be in [0, 1]")
-        decay_steps = config.decay_steps if config.decay_steps is not None else total_steps - config.warmup_steps
-        if config.decay_type != "constant" and decay_steps < 1:
-            raise ValueError(
-                f"lr_scheduler: warmup_steps={config.warmup_steps} leaves no decay steps within "
-                f"training.steps={total_steps}; lower warmup_steps or set decay_steps"
-            )
+        warmup_steps = config.warmup_steps
+        if warmup_steps > total_steps:
+            # A short smoke run of a long recipe (torchtitan does the same): warm up over the whole run.
+            logger.warning(
+                "lr_scheduler.warmup_steps=%d > training.steps=%d: warming up over all %d steps",
+                warmup_steps, total_steps, total_steps,
+            )  # fmt: skip
+            warmup_steps = total_steps
+        if config.decay_steps is not None and config.decay_steps < 1 and config.decay_type != "constant":
+            raise ValueError(f"lr_scheduler.decay_steps={config.decay_steps} must be >= 1 (or None: until the end)")
+        decay_steps = config.decay_steps if config.decay_steps is not None else total_steps - warmup_steps
+        self.warmup_steps = warmup_steps
         self.factor = functools.partial(
             lr_factor,
-            warmup_steps=config.warmup_steps,
+            warmup_steps=warmup_steps,
             decay_steps=decay_steps,
             decay_type=config.decay_type,
             min_lr_ratio=config.min_lr_ratio,

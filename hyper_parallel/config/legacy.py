@@ -390,6 +390,10 @@ def cli_args(overrides: dict[str, Any]) -> list[str]:
     """Flat ``{dotted field: value}`` -> the equivalent command-line arguments (``--training.steps 100``)."""
     args: list[str] = []
     for key, value in overrides.items():
+        if isinstance(value, bool):  # booleans are flags: --a.b / --a.no_b
+            *parents, leaf = key.split(".")
+            args.append("--" + ".".join([*parents, leaf if value else f"no_{leaf}"]))
+            continue
         args.append(f"--{key}")
         if isinstance(value, (list, tuple)):
             args.extend(_cli_value(v) for v in value)

@@ -47,6 +47,47 @@ def _pop_option(args: list[str], name: str) -> str | None:
     return None
 
 
+_BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
+
+
+def _field_value(config: Any, path: str) -> Any:
+    """The value at dotted ``path`` in a config (list items by index); a sentinel when there is none."""
+    node = config
+    for part in path.split("."):
+        if isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif dataclasses.is_dataclass(node) and hasattr(node, part):
+            node = getattr(node, part)
+        else:
+            return _MISSING
+    return node
+
+
+_MISSING = object()
+
+
+def bool_values_to_flags(argv: list[str], config: Any) -> list[str]:
+    """Booleans are flags (``--debug.deterministic``, ``--debug.no_deterministic``); an explicit value
+    (``--debug.deterministic False``, the v1 habit) is rewritten to the flag so both spellings work."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--") and "=" in arg:
+            path, value, width = arg[2:].split("=", 1)[0], arg.split("=", 1)[1].lower(), 1
+        else:
+            path, width = arg[2:], 2
+            value = argv[i + 1].lower() if i + 1 < len(argv) else None
+        if arg.startswith("--") and value in _BOOL_WORDS and isinstance(_field_value(config, path), bool):
+            *parents, leaf = path.split(".")
+            out.append("--" + ".".join([*parents, leaf if _BOOL_WORDS[value] else f"no_{leaf}"]))
+            i += width
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 def available_modules() -> list[str]:
     """Model packages under ``hyper_parallel.models`` that have a ``config_registry``."""
     pkg = importlib.import_module(_MODELS_PACKAGE)
@@ -213,6 +254,7 @@ class ConfigManager:
         if run_file is not None:
             data = load_run_file(run_file)
             config = self._apply_run_file(config, data, run_file)
+        argv = bool_values_to_flags(argv, config)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # tyro warns about subclass defaults it handles fine
             config = tyro.cli(
@@ -221,7 +263,7 @@ class ConfigManager:
                 args=argv,
                 prog=f"--module {module} --config {recipe}",
                 description=f"Run config of recipe {module}.{recipe}; every field can be overridden.",
-                config=(tyro.conf.FlagConversionOff, tyro.conf.AvoidSubcommands),
+                config=(tyro.conf.AvoidSubcommands,),
                 use_underscores=True,
             )
         validate = getattr(config, "validate", None)

@@ -16,6 +16,9 @@ class TrainingConfig:
     """Dtype FSDP casts parameters to for forward/backward compute."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype FSDP reduce-scatters gradients in."""
+    defer_grad_reduce: bool = False
+    """Reduce FSDP gradients once per step, after the last micro-batch, instead of after every one: fewer
+    collectives, but every rank holds full unsharded fp32 gradients between micro-batches (small models)."""
     moe_bias_update_rate: float = 0.0
     """Aux-loss-free load balancing: after each step move every router's e_score_correction_bias by this
     rate towards equal expert load (DeepSeek-V3); 0 disables it."""

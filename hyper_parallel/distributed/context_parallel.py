@@ -16,7 +16,7 @@ Projections, norms, MLPs and the loss run on the local chunk; RoPE uses the chun
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["apply_ulysses_cp", "seq_to_head_all_to_all", "head_to_seq_all_to_all", "split_batch_for_cp"]
 
-# Batch keys laid out [B, T] that are split along T.
+# Generic batch keys laid out [..., B, T] that are split along T.
 _SEQ_KEYS = ("input_ids", "labels", "position_ids")
 
 
@@ -94,14 +94,21 @@ def apply_ulysses_cp(model: nn.Module, cp_mesh: DeviceMesh, *, attention_name: s
     return count
 
 
-def split_batch_for_cp(batch: Mapping[str, Any], cp_rank: int, cp_size: int) -> dict[str, Any]:
+def split_batch_for_cp(
+    batch: Mapping[str, Any],
+    cp_rank: int,
+    cp_size: int,
+    *,
+    split_inputs: Callable[..., dict[str, Any]] | None = None,
+    model_keys: tuple[str, ...] = (),
+) -> dict[str, Any]:
     """This CP rank's part of a batch: a contiguous chunk of every row.
 
-    ``input_ids``, ``labels``, ``position_ids`` (``[B, T]``) are sliced along T; ``visual_indices`` (flat
-    positions in ``B*T``) are kept for the chunk and renumbered into the local ``B*(T/cp)`` stream with
-    their ``vq_codes``; ``cu_seqlens``/``max_seqlen`` stay GLOBAL (attention runs on whole sequences
-    after the all-to-all). Other keys pass through. ``position_ids`` must be in the batch: they cannot be
-    rebuilt from a chunk.
+    The generic keys ``input_ids``, ``labels`` (``[B, T]``) and ``position_ids`` (``[B, T]`` or
+    ``[3, B, T]``) are sliced along their last dim; ``cu_seqlens``/``max_seqlen`` stay GLOBAL (attention
+    runs on whole sequences after the all-to-all). The model's own inputs (``model_keys``) go through
+    ``split_inputs(inputs, lo=, hi=, seqlen=)`` (the model's ``split_inputs_for_cp``); other keys pass
+    through. ``position_ids`` must be in the batch: they cannot be rebuilt from a chunk.
     """
     if cp_size == 1:
         return dict(batch)
@@ -118,12 +125,8 @@ def split_batch_for_cp(batch: Mapping[str, Any], cp_rank: int, cp_size: int) -> 
     out = dict(batch)
     for key in _SEQ_KEYS:
         if key in batch and batch[key] is not None:
-            out[key] = batch[key][:, lo:hi]
-    if batch.get("visual_indices") is not None:
-        flat = batch["visual_indices"]
-        row, col = flat // T, flat % T
-        keep = (col >= lo) & (col < hi)
-        out["visual_indices"] = row[keep] * t + (col[keep] - lo)
-        if batch.get("vq_codes") is not None:
-            out["vq_codes"] = batch["vq_codes"][keep]
+            out[key] = batch[key][..., lo:hi]
+    inputs = {k: batch[k] for k in model_keys if k in batch}
+    if inputs and split_inputs is not None:
+        out.update(split_inputs(inputs, lo=lo, hi=hi, seqlen=T))
     return out

@@ -1,7 +1,7 @@
 """The Module protocol: Module, containers, BaseModel, ModelSpec registry, sharding and HF adapters."""
 
 from hyper_parallel.config.configurable import Configurable, Function
-from hyper_parallel.protocols.model import BaseModel
+from hyper_parallel.protocols.model import BaseModel, ModelOutput, split_output
 from hyper_parallel.protocols.model_spec import (
     ModelSpec,
     discover_model_spec,
@@ -27,6 +27,7 @@ __all__ = [
     "Function",
     "LocalMapConfig",
     "MeshAxisName",
+    "ModelOutput",
     "ModelSpec",
     "Module",
     "ModuleDict",
@@ -43,5 +44,6 @@ __all__ = [
     "parse_size",
     "read_safetensors",
     "register_spec",
+    "split_output",
     "write_safetensors",
 ]

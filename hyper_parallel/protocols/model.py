@@ -1,22 +1,66 @@
-"""``BaseModel``: the root Module of a model, with parameter and FLOP counting for MFU."""
+"""``BaseModel``: the root Module of a model: its inputs, its output, parameter and FLOP counting.
+
+What the model-agnostic trainer needs from a model, and nothing else:
+
+- **Inputs.** Every model takes the generic batch contract ``model(input_ids, position_ids=,
+  cu_seqlens=, max_seqlen=)``. Batch keys beyond it are declared in ``input_keys`` and passed by name
+  (``model(..., **{k: batch[k] for k in input_keys})``): GlmImageMoe declares its VQ keys, a VLM its
+  pixels. How context parallel splits each declared key is the model's too
+  (``split_inputs_for_cp``), so ``distributed/`` knows no key names.
+- **Output.** Logits ``[B, T, V]``, or a :class:`ModelOutput` when the model also has an auxiliary
+  loss (MoE load balancing), which the trainer adds to the token loss and logs.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
 
+import torch
 from torch import nn
 
 from hyper_parallel.protocols.module import Module
 
-__all__ = ["BaseModel"]
+__all__ = ["BaseModel", "ModelOutput", "split_output"]
+
+
+class ModelOutput(NamedTuple):
+    """Logits plus the auxiliary loss to add to the training loss (already weighted by its coefficient)."""
+
+    logits: torch.Tensor
+    aux_loss: torch.Tensor | None = None
+
+
+def split_output(out: torch.Tensor | ModelOutput) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(logits, aux_loss or None)`` from whatever a model's forward returned."""
+    if isinstance(out, ModelOutput):
+        return out.logits, out.aux_loss
+    return out, None
 
 
 class BaseModel(Module):
     """A whole model. Subclasses refine ``get_nparams_and_flops`` for their architecture."""
 
+    input_keys: ClassVar[tuple[str, ...]] = ()
+    """Batch keys beyond ``input_ids, position_ids, cu_seqlens, max_seqlen`` that ``forward`` takes by name."""
+    cp_seq_keys: ClassVar[tuple[str, ...]] = ()
+    """Of ``input_keys``, those laid out ``[..., B, T]`` that context parallel slices along T like ``input_ids``."""
+
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
         pass
+
+    @classmethod
+    def split_inputs_for_cp(cls, inputs: Mapping[str, Any], *, lo: int, hi: int, seqlen: int) -> dict[str, Any]:
+        """This context-parallel rank's part of the declared inputs: it keeps tokens ``[lo, hi)`` of every row.
+
+        Default: ``cp_seq_keys`` are sliced along their last dim, other keys are kept whole (replicated).
+        A model whose inputs index into the flat token stream (e.g. GlmImageMoe's ``visual_indices``)
+        overrides this to renumber them.
+        """
+        del seqlen
+        return {k: (v[..., lo:hi] if k in cls.cp_seq_keys and v is not None else v) for k, v in inputs.items()}
 
     def count_params(self, *, exclude_embeddings: bool = False) -> int:
         """Total parameter count (works on the meta device)."""

@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelSpec", "discover_model_spec", "get_spec", "list_specs", "register_spec"]
+__all__ = ["ModelSpec", "default_data_facts", "discover_model_spec", "get_spec", "list_specs", "register_spec"]
+
+
+def default_data_facts(model_config: Any) -> dict[str, Any]:
+    """What a text data source needs from a model: its vocabulary size."""
+    return {"vocab_size": model_config.vocab_size}
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """Everything the trainer needs to know about one model package."""
+    """Everything the model-agnostic trainer needs to know about one model package (typed, all optional
+    beyond the first three)."""
 
     name: str
     """Registered name (``glm_image_moe``)."""
@@ -24,8 +30,22 @@ class ModelSpec:
     """``BaseStateDictAdapter`` subclass converting our state dict to and from the HF format."""
     flavor: str = ""
     """Default recipe of the package (``glm_image_moe_debug``)."""
-    extras: dict[str, Any] = field(default_factory=dict)
-    """Package-specific hooks (HF loaders, batch adapters ...)."""
+    from_pretrained: Callable[..., Any] | None = None
+    """``from_pretrained(path, **overrides) -> model``: build a model from an HF folder."""
+    save_pretrained: Callable[..., Any] | None = None
+    """``save_pretrained(model, path, *, state_dict=None, dtype=None)``: write the HF format (``state_dict``
+    replaces the model's weights, e.g. gathered or EMA weights); the trainer's ``--checkpoint.export_hf``."""
+    load_hf_weights: Callable[[Any, str], Any] | None = None
+    """``load_hf_weights(full_model, path)``: load an HF folder into a whole (unsharded) model in place,
+    keeping keys it does not model for the export; the trainer's ``--checkpoint.initial_load_path``."""
+    validate_layout: Callable[[Any, Any], None] | None = None
+    """``validate_layout(model_config, parallel_dims)``: raise, naming the degree to change, when the layout
+    does not fit the model; runs before anything is built."""
+    data_sources: tuple[str, ...] = ("text", "preset_pt", "dummy")
+    """Data source types (``--data.source``) whose batches this model takes."""
+    data_facts: Callable[[Any], dict[str, Any]] = default_data_facts
+    """``data_facts(model_config) -> dict``: model facts the data source checks samples against
+    (vocabulary size; GlmImageMoe adds its codebook size and placeholder id)."""
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

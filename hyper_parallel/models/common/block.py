@@ -1,50 +1,43 @@
-"""``TransformerBlock``: one pre-norm decoder layer (HF ``Glm4MoeLiteDecoderLayer``).
+"""``TransformerBlock``: one pre-norm decoder layer (HF ``Glm4MoeLiteDecoderLayer``, ``Qwen3_5DecoderLayer``).
 
     h   = x + self_attn(input_layernorm(x))
     out = h + mlp(post_attention_layernorm(h))
 
-The unit of FSDP wrapping and activation checkpointing.
+``self_attn`` is any ``TokenMixer`` (MLA, GQA, gated attention, Gated DeltaNet); ``mlp`` any module built
+with ``build(dim=)`` (dense ``FeedForward`` or sparse ``MoE``); the norms any module built with
+``build(dim=)`` (``RMSNorm`` or a zero-centred variant). The unit of FSDP wrapping and activation
+checkpointing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated
 
 import torch
-import tyro
 
 from hyper_parallel.models.common.attention import AttentionMeta
-from hyper_parallel.models.common.feed_forward import FeedForward
-from hyper_parallel.models.common.gqa import GQAttention
-from hyper_parallel.models.common.mla import MLAttention
+from hyper_parallel.models.common.mixer import TokenMixer
 from hyper_parallel.models.common.moe import MoE
 from hyper_parallel.models.common.rmsnorm import RMSNorm
-from hyper_parallel.models.common.rope import RoPECosSin
 from hyper_parallel.protocols.module import Module
 
 __all__ = ["TransformerBlock"]
 
 
 class TransformerBlock(Module):
-    """Attention + MLP (dense ``FeedForward`` or sparse ``MoE``), each behind a pre-norm residual."""
+    """Token mixer + MLP (dense ``FeedForward`` or sparse ``MoE``), each behind a pre-norm residual."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
-        # Both members are classes named `Config`: explicit subcommand names keep them apart for tyro.
-        self_attn: (
-            Annotated[MLAttention.Config, tyro.conf.subcommand("mla")]
-            | Annotated[GQAttention.Config, tyro.conf.subcommand("gqa")]
-        )
-        """Attention (MLA for Glm4MoeLite, GQA for Qwen-style models)."""
-        mlp: (
-            Annotated[FeedForward.Config, tyro.conf.subcommand("dense")]
-            | Annotated[MoE.Config, tyro.conf.subcommand("moe")]
-        )
-        """Dense SwiGLU MLP or sparse MoE (HF ``mlp_layer_types[i]`` = ``dense`` / ``sparse``)."""
-        input_layernorm: RMSNorm.Config = field(default_factory=RMSNorm.Config)
-        """Norm before attention (HF ``rms_norm_eps``)."""
-        post_attention_layernorm: RMSNorm.Config = field(default_factory=RMSNorm.Config)
+        # Open types: any mixer / MLP / norm config. The CLI sees the recipe's concrete classes (tyro
+        # takes the runtime type of the default), so every field of the chosen mixer is overridable.
+        self_attn: TokenMixer.Config
+        """Token mixer (MLA for Glm4MoeLite, GQA for Qwen-style models, gated attention or DeltaNet for Qwen3.5)."""
+        mlp: Module.Config
+        """Dense SwiGLU ``FeedForward.Config`` or sparse ``MoE.Config`` (HF ``mlp_layer_types[i]``)."""
+        input_layernorm: Module.Config = field(default_factory=RMSNorm.Config)
+        """Norm before the mixer (HF ``rms_norm_eps``)."""
+        post_attention_layernorm: Module.Config = field(default_factory=RMSNorm.Config)
         """Norm before the MLP (HF ``rms_norm_eps``)."""
 
     def __init__(self, config: Config, *, dim: int) -> None:
@@ -59,8 +52,15 @@ class TransformerBlock(Module):
         """Whether the MLP is sparse."""
         return isinstance(self.mlp, MoE)
 
+    def pop_aux_loss(self) -> torch.Tensor | None:
+        """The auxiliary loss the MLP stored in its last forward (MoE load balancing), cleared; or None."""
+        aux = getattr(self.mlp, "aux_loss", None)
+        if aux is not None:
+            self.mlp.aux_loss = None
+        return aux
+
     def forward(
-        self, x_BTD: torch.Tensor, *, rope_cos_sin: RoPECosSin, meta: AttentionMeta | None = None
+        self, x_BTD: torch.Tensor, *, position_ids: torch.Tensor, meta: AttentionMeta | None = None
     ) -> torch.Tensor:
-        h = x_BTD + self.self_attn(self.input_layernorm(x_BTD), rope_cos_sin=rope_cos_sin, meta=meta)
+        h = x_BTD + self.self_attn(self.input_layernorm(x_BTD), position_ids=position_ids, meta=meta)
         return h + self.mlp(self.post_attention_layernorm(h))

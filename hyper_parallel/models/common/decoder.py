@@ -5,8 +5,10 @@ replaces ``embed`` with the text + VQ-image embedding):
 
     logits = head(forward_layers(embed(input_ids), position_ids=..., cu_seqlens=..., max_seqlen=...))
 
-RoPE tables are computed once per forward and shared by every layer; packed documents
-(``cu_seqlens`` over the flattened ``B*T`` stream) never attend to each other.
+Each layer's token mixer owns its RoPE (if any); packed documents (``cu_seqlens`` over the flattened
+``B*T`` stream) never attend to each other. When a layer's MLP has an auxiliary loss (MoE load
+balancing), ``forward`` returns ``ModelOutput(logits, aux_loss)`` with the sum over layers; it is read
+right after each layer's forward, so recomputation under activation checkpointing cannot count it twice.
 """
 
 from __future__ import annotations
@@ -21,15 +23,14 @@ from hyper_parallel.models.common.embedding import Embedding
 from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.moe import MoE
 from hyper_parallel.models.common.rmsnorm import RMSNorm
-from hyper_parallel.models.common.rope import RoPE
-from hyper_parallel.protocols.model import BaseModel
-from hyper_parallel.protocols.module import ModuleList
+from hyper_parallel.protocols.model import BaseModel, ModelOutput
+from hyper_parallel.protocols.module import Module, ModuleList
 
 __all__ = ["Decoder"]
 
 
 class Decoder(BaseModel):
-    """Token embedding, RoPE, a stack of blocks, final norm and the LM head (untied)."""
+    """Token embedding, a stack of blocks, final norm and the LM head (untied)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(BaseModel.Config):
@@ -38,12 +39,10 @@ class Decoder(BaseModel):
         dim: int
         """Model (hidden) dimension, handed to every child at build time."""
         layers: list[TransformerBlock.Config]
-        """One config per decoder layer (``layers.{i}``); all must share the RoPE head dim."""
+        """One config per decoder layer (``layers.{i}``); layers may use different token mixers."""
         embed_tokens: Embedding.Config = field(default_factory=Embedding.Config)
         """Token embedding ``[vocab_size, dim]``."""
-        rope: RoPE.Config = field(default_factory=RoPE.Config)
-        """Rotary embedding, built with the attention's rope head dim."""
-        norm: RMSNorm.Config = field(default_factory=RMSNorm.Config)
+        norm: Module.Config = field(default_factory=RMSNorm.Config)
         """Final norm."""
         lm_head: Linear.Config = field(default_factory=Linear.Config)
         """Output projection ``[vocab_size, dim]``."""
@@ -53,12 +52,7 @@ class Decoder(BaseModel):
         if not config.layers:
             raise ValueError("Decoder.Config.layers is empty: give at least one TransformerBlock.Config")
         self.embed_tokens = config.embed_tokens.build(num_embeddings=config.vocab_size, embedding_dim=config.dim)
-        layers = [layer.build(dim=config.dim) for layer in config.layers]
-        rope_dims = {layer.self_attn.rope_head_dim for layer in layers}
-        if len(rope_dims) != 1:
-            raise ValueError(f"Decoder.Config.layers disagree on the RoPE head dim ({sorted(rope_dims)}); use one")
-        self.rope = config.rope.build(head_dim=rope_dims.pop())
-        self.layers = ModuleList(layers)
+        self.layers = ModuleList([layer.build(dim=config.dim) for layer in config.layers])
         self.norm = config.norm.build(dim=config.dim)
         self.lm_head = config.lm_head.build(in_features=config.dim, out_features=self.lm_head_out_features())
 
@@ -77,16 +71,22 @@ class Decoder(BaseModel):
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
-    ) -> torch.Tensor:
-        """Run every block. ``position_ids`` default: ``arange`` per row, or restarting per document."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run every block; return the hidden states and the summed auxiliary loss (None when no layer has one).
+
+        ``position_ids`` default: ``arange`` per row, or restarting per document.
+        """
         B, T, _ = h_BTD.shape
         meta = AttentionMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         if position_ids is None:
             position_ids = meta.position_ids(B, T, device=h_BTD.device)
-        rope_cos_sin = self.rope(position_ids, h_BTD.dtype)
+        aux_loss = None
         for layer in self.layers:
-            h_BTD = layer(h_BTD, rope_cos_sin=rope_cos_sin, meta=meta)
-        return h_BTD
+            h_BTD = layer(h_BTD, position_ids=position_ids, meta=meta)
+            aux = layer.pop_aux_loss()
+            if aux is not None:
+                aux_loss = aux if aux_loss is None else aux_loss + aux
+        return h_BTD, aux_loss
 
     def head(self, h_BTD: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``[B, T, dim]`` -> logits ``[B, T, vocab_size]``."""
@@ -99,11 +99,26 @@ class Decoder(BaseModel):
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
-    ) -> torch.Tensor:
-        """``[B, T]`` ids -> logits ``[B, T, vocab_size]``; ``cu_seqlens`` (int32, flattened stream) packs documents."""
+    ) -> torch.Tensor | ModelOutput:
+        """``[B, T]`` ids -> logits ``[B, T, vocab_size]``; ``cu_seqlens`` (int32, flattened stream) packs documents.
+
+        Returns ``ModelOutput(logits, aux_loss)`` instead when a layer produced an auxiliary loss.
+        """
         h = self.embed(input_ids)
-        h = self.forward_layers(h, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        return self.head(h)
+        return self.forward_embedded(h, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+
+    def forward_embedded(
+        self,
+        h_BTD: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+    ) -> torch.Tensor | ModelOutput:
+        """Layers and head on embedded inputs: logits, or ``ModelOutput`` when there is an aux loss."""
+        h, aux_loss = self.forward_layers(h_BTD, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        logits = self.head(h)
+        return logits if aux_loss is None else ModelOutput(logits, aux_loss)
 
     def get_nparams_and_flops(self, seq_len: int) -> tuple[int, float]:
         """``(total params, training FLOPs per token)``: ``6 * active non-embedding params + attention``.
@@ -114,7 +129,7 @@ class Decoder(BaseModel):
         """
         total = sum(p.numel() for p in self.parameters())
         active = self.active_params() - self.embed_tokens.weight.numel()
-        attention = sum(layer.self_attn.attention_flops_per_token(seq_len) for layer in self.layers)
+        attention = sum(layer.self_attn.flops_per_token(seq_len) for layer in self.layers)
         return total, 6.0 * active + attention
 
     def active_params(self) -> int:

@@ -17,17 +17,17 @@ import torch
 from hyper_parallel.models.common.attention import AttentionMeta, VarlenAttention
 from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.rmsnorm import RMSNorm
-from hyper_parallel.models.common.rope import RoPECosSin
-from hyper_parallel.protocols.module import Module
+from hyper_parallel.models.common.mixer import TokenMixer
+from hyper_parallel.models.common.rope import RoPE
 
 __all__ = ["GQAttention"]
 
 
-class GQAttention(Module):
+class GQAttention(TokenMixer):
     """Multi-head attention with ``n_kv_heads`` shared key/value heads and optional per-head q/k RMSNorm."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(Module.Config):
+    class Config(TokenMixer.Config):
         n_heads: int
         """Number of query heads."""
         n_kv_heads: int
@@ -46,6 +46,8 @@ class GQAttention(Module):
         """Per-head RMSNorm of the queries before RoPE (Qwen3); None for none."""
         k_norm: RMSNorm.Config | None = None
         """Per-head RMSNorm of the keys before RoPE (Qwen3); None for none."""
+        rope: RoPE.Config = field(default_factory=lambda: RoPE.Config(layout="half"))
+        """Rotary embedding over each head's ``head_dim`` channels (its ``partial_rotary_factor`` of them)."""
         inner_attention: VarlenAttention.Config = field(default_factory=VarlenAttention.Config)
         """The softmax core (replaced or wrapped by context parallel)."""
         softmax_scale: float | None = None
@@ -64,23 +66,20 @@ class GQAttention(Module):
             self.q_norm = c.q_norm.build(dim=c.head_dim)
         if c.k_norm is not None:
             self.k_norm = c.k_norm.build(dim=c.head_dim)
+        self.rope = c.rope.build(head_dim=c.head_dim)
         self.inner_attention = c.inner_attention.build()
         self.softmax_scale = c.softmax_scale if c.softmax_scale is not None else c.head_dim**-0.5
 
-    @property
-    def rope_head_dim(self) -> int:
-        """Channels per head handed to RoPE (it rotates ``partial_rotary_factor`` of them)."""
-        return self.config.head_dim
-
-    def attention_flops_per_token(self, seq_len: int) -> float:
+    def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token of ``QK^T`` and ``PV`` (fwd + bwd, no causal discount, torchtitan style)."""
         return 12.0 * self.config.n_heads * self.config.head_dim * seq_len
 
     def forward(
-        self, x_BTD: torch.Tensor, *, rope_cos_sin: RoPECosSin, meta: AttentionMeta | None = None
+        self, x_BTD: torch.Tensor, *, position_ids: torch.Tensor, meta: AttentionMeta | None = None
     ) -> torch.Tensor:
         c = self.config
         B, T, _ = x_BTD.shape
+        rope_cos_sin = self.rope(position_ids, x_BTD.dtype)
         q = self.q_proj(x_BTD).view(B, T, -1, c.head_dim)
         k = self.k_proj(x_BTD).view(B, T, -1, c.head_dim)
         v = self.v_proj(x_BTD).view(B, T, -1, c.head_dim)

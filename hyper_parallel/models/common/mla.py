@@ -20,17 +20,17 @@ import torch
 from hyper_parallel.models.common.attention import AttentionMeta, VarlenAttention
 from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.rmsnorm import RMSNorm
-from hyper_parallel.models.common.rope import RoPECosSin
-from hyper_parallel.protocols.module import Module
+from hyper_parallel.models.common.mixer import TokenMixer
+from hyper_parallel.models.common.rope import RoPE
 
 __all__ = ["MLAttention"]
 
 
-class MLAttention(Module):
+class MLAttention(TokenMixer):
     """MLA with a low-rank (``q_lora_rank``) or a full (``q_proj``) query path; children named as in HF."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(Module.Config):
+    class Config(TokenMixer.Config):
         n_heads: int
         """Number of attention heads (HF ``num_attention_heads``)."""
         q_lora_rank: int | None
@@ -61,6 +61,8 @@ class MLAttention(Module):
         """Key/value up-projection ``[H*(dn+dv), kv_lora_rank]``, rows head-major ``[k_nope | v]``."""
         o_proj: Linear.Config = field(default_factory=Linear.Config)
         """Output projection ``[D, H*dv]`` (HF: bias iff ``attention_bias``)."""
+        rope: RoPE.Config = field(default_factory=RoPE.Config)
+        """Rotary embedding of the ``qk_rope_head_dim`` channels (HF ``rope_theta``, ``rope_interleave``)."""
         inner_attention: VarlenAttention.Config = field(default_factory=VarlenAttention.Config)
         """The softmax core (replaced or wrapped by context parallel)."""
         softmax_scale: float | None = None
@@ -102,24 +104,21 @@ class MLAttention(Module):
             in_features=c.kv_lora_rank, out_features=c.n_heads * (c.qk_nope_head_dim + c.v_head_dim)
         )
         self.o_proj = c.o_proj.build(in_features=c.n_heads * c.v_head_dim, out_features=dim)
+        self.rope = c.rope.build(head_dim=c.qk_rope_head_dim)
         self.inner_attention = c.inner_attention.build()
         self.softmax_scale = c.softmax_scale if c.softmax_scale is not None else self.qk_head_dim**-0.5
 
-    @property
-    def rope_head_dim(self) -> int:
-        """Channels per head that carry RoPE (the decoder builds its RoPE with this)."""
-        return self.config.qk_rope_head_dim
-
-    def attention_flops_per_token(self, seq_len: int) -> float:
+    def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token of ``QK^T`` and ``PV`` (fwd + bwd, no causal discount, torchtitan style)."""
         c = self.config
         return 6.0 * c.n_heads * (self.qk_head_dim + c.v_head_dim) * seq_len
 
     def forward(
-        self, x_BTD: torch.Tensor, *, rope_cos_sin: RoPECosSin, meta: AttentionMeta | None = None
+        self, x_BTD: torch.Tensor, *, position_ids: torch.Tensor, meta: AttentionMeta | None = None
     ) -> torch.Tensor:
         c = self.config
         B, T, _ = x_BTD.shape
+        rope_cos_sin = self.rope(position_ids, x_BTD.dtype)
         dn, dr = c.qk_nope_head_dim, c.qk_rope_head_dim
 
         if c.q_lora_rank is None:

@@ -96,17 +96,26 @@ def _validate_layout(config: Any, parallel_dims: Any) -> None:
     validate_glm_image_moe_layout(config, parallel_dims)
 
 
+def _data_facts(config: GlmImageMoeModel.Config) -> dict[str, Any]:
+    # What a DirectToken source checks samples against (DESIGN.md section 5).
+    return {
+        "vocab_size": config.vocab_size,
+        "codebook_size": config.codebook_size,
+        "placeholder_token_id": config.placeholder_token_id,
+    }
+
+
 GLM_IMAGE_MOE_SPEC = ModelSpec(
     name="glm_image_moe",
     model=GlmImageMoeModel,
     parallelize_fn=_parallelize,
     state_dict_adapter=GlmImageMoeStateDictAdapter,
     flavor="glm_image_moe_debug",
-    extras={
-        "from_pretrained": from_pretrained,
-        "save_pretrained": save_pretrained,
-        "load_hf_weights": load_hf_weights,
-        "validate_layout": _validate_layout,
-    },
+    from_pretrained=from_pretrained,
+    save_pretrained=save_pretrained,
+    load_hf_weights=load_hf_weights,
+    validate_layout=_validate_layout,
+    data_sources=("direct_token", "preset_pt", "dummy"),
+    data_facts=_data_facts,
 )
 register_spec("glm_image_moe", GLM_IMAGE_MOE_SPEC, aliases=("glm_image_moe_v2",))

@@ -10,9 +10,9 @@ tree; ``GlmImageMoeModel.Config.from_hf`` / ``to_hf`` convert to and from the HF
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,8 @@ MlpLayerType = Literal["dense", "sparse"]
 
 class GlmImageMoeModel(Decoder):
     """Text + VQ-image autoregressive LM over ``lang_vocab_size + codebook_size`` output rows."""
+
+    input_keys: ClassVar[tuple[str, ...]] = ("visual_indices", "vq_codes")
 
     @dataclass(kw_only=True, slots=True)
     class Config(Decoder.Config):
@@ -95,6 +97,19 @@ class GlmImageMoeModel(Decoder):
     def lm_head_out_features(self) -> int:
         return self.config.output_size
 
+    @classmethod
+    def split_inputs_for_cp(cls, inputs: Mapping[str, Any], *, lo: int, hi: int, seqlen: int) -> dict[str, Any]:
+        """Keep the image positions in tokens ``[lo, hi)`` of each row, renumbered into the local stream."""
+        out = dict(inputs)
+        flat = inputs.get("visual_indices")
+        if flat is not None:
+            row, col = flat // seqlen, flat % seqlen
+            keep = (col >= lo) & (col < hi)
+            out["visual_indices"] = row[keep] * (hi - lo) + (col[keep] - lo)
+            if inputs.get("vq_codes") is not None:
+                out["vq_codes"] = inputs["vq_codes"][keep]
+        return out
+
     def embed(
         self,
         input_ids: torch.Tensor,
@@ -102,44 +117,56 @@ class GlmImageMoeModel(Decoder):
         visual_indices: torch.Tensor | None = None,
         vq_codes: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Token embeddings with image positions replaced by projected codebook vectors."""
+        """Token embeddings with image positions replaced by projected codebook vectors.
+
+        Checks (one host sync for all of them): as many codes as placeholders, every code inside the
+        codebook, and ``visual_indices`` exactly the placeholder positions, strictly increasing.
+        """
         h_BTD = self.embed_tokens(input_ids)
-        placeholder = self.config.placeholder_token_id
-        flat_ids = input_ids.reshape(-1)
-        is_image = flat_ids == placeholder
-        n_placeholders = int(is_image.sum())
+        c = self.config
+        B, T, D = h_BTD.shape
+        is_image = input_ids.reshape(-1) == c.placeholder_token_id
         n_codes = 0 if vq_codes is None else vq_codes.numel()
-        if n_placeholders != n_codes:
-            raise ValueError(
-                f"input_ids hold {n_placeholders} image placeholders (id {placeholder}) but {n_codes} vq_codes "
-                "were given: every placeholder needs exactly one code"
-            )
         if n_codes == 0:
+            n_placeholders = int(is_image.sum())
+            if n_placeholders:
+                raise ValueError(
+                    f"input_ids hold {n_placeholders} image placeholders (id {c.placeholder_token_id}) but 0 "
+                    "vq_codes were given: every placeholder needs exactly one code"
+                )
             return h_BTD
         vq_codes = vq_codes.reshape(-1)
-        lo, hi = int(vq_codes.min()), int(vq_codes.max())
-        if lo < 0 or hi >= self.config.codebook_size:
-            raise ValueError(
-                f"vq_codes hold {lo if lo < 0 else hi}, outside the codebook [0, {self.config.codebook_size})"
-            )
         if visual_indices is None:
             visual_indices = is_image.nonzero().squeeze(-1)
+            in_order = torch.ones((), dtype=torch.bool, device=is_image.device)
         else:
             visual_indices = visual_indices.reshape(-1)
-            if visual_indices.numel() != n_codes or not bool(is_image[visual_indices].all()):
-                raise ValueError(
-                    f"visual_indices ({visual_indices.numel()}) must be the flat positions of the {n_codes} "
-                    f"placeholder tokens, in order"
-                )
+            in_bounds = (visual_indices >= 0) & (visual_indices < B * T)
+            at_image = is_image[visual_indices.clamp(0, B * T - 1)] & in_bounds
+            increasing = (visual_indices[1:] > visual_indices[:-1]).all()
+            in_order = at_image.all() & increasing & (visual_indices.numel() == n_codes)
+        stats = torch.stack([is_image.sum(), vq_codes.min(), vq_codes.max(), in_order.long()])
+        n_placeholders, lo, hi, ordered = stats.tolist()  # the one host sync of the image path
+        if n_placeholders != n_codes:
+            raise ValueError(
+                f"input_ids hold {n_placeholders} image placeholders (id {c.placeholder_token_id}) but {n_codes} "
+                "vq_codes were given: every placeholder needs exactly one code"
+            )
+        if lo < 0 or hi >= c.codebook_size:
+            raise ValueError(f"vq_codes hold {lo if lo < 0 else hi}, outside the codebook [0, {c.codebook_size})")
+        if not ordered:
+            raise ValueError(
+                f"visual_indices ({visual_indices.numel()}) must be the flat positions of the {n_codes} "
+                "placeholder tokens, in increasing order, each once"
+            )
         codebook = self.vq_codebook.weight
-        if self.config.freeze_vq:
+        if c.freeze_vq:
             codebook = codebook.detach()
         vec_ND = F.embedding(vq_codes, codebook)
-        if self.config.vq_l2_normalize:
+        if c.vq_l2_normalize:
             vec_ND = F.normalize(vec_ND.float(), dim=-1).to(vec_ND.dtype)
         # the projection may compute in bf16 (FSDP mixed precision) while the frozen codebook stays fp32
         img_ND = self.vq_to_llm_proj(vec_ND.to(self.vq_to_llm_proj.weight.dtype)).to(h_BTD.dtype)
-        B, T, D = h_BTD.shape
         return h_BTD.reshape(B * T, D).index_put((visual_indices,), img_ND).view(B, T, D)
 
     def forward(
@@ -154,8 +181,7 @@ class GlmImageMoeModel(Decoder):
     ) -> torch.Tensor:
         """``[B, T]`` ids (+ image codes) -> logits ``[B, T, vocab_size + codebook_size]``."""
         h = self.embed(input_ids, visual_indices=visual_indices, vq_codes=vq_codes)
-        h = self.forward_layers(h, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        return self.head(h)
+        return self.forward_embedded(h, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
 
     def get_nparams_and_flops(self, seq_len: int) -> tuple[int, float]:
         """Decoder's count; the frozen codebook is not trained, so it adds no training FLOPs."""
@@ -241,6 +267,7 @@ def glm_image_moe_config(
             kv_a_layernorm=RMSNorm.Config(eps=1e-6),
             kv_b_proj=linear(),
             o_proj=linear(attention_bias),
+            rope=RoPE.Config(theta=rope_theta, layout="interleaved" if rope_interleave else "half"),
         )
 
     def mlp(kind: MlpLayerType) -> FeedForward.Config | MoE.Config:
@@ -279,7 +306,6 @@ def glm_image_moe_config(
         dim=hidden_size,
         layers=layers,
         embed_tokens=Embedding.Config(padding_idx=pad_token_id, param_init=NormalInit.Config(std=initializer_range)),
-        rope=RoPE.Config(theta=rope_theta, layout="interleaved" if rope_interleave else "half"),
         norm=RMSNorm.Config(eps=rms_norm_eps),
         lm_head=linear(),
         codebook_size=codebook_size,
@@ -398,8 +424,8 @@ def _config_to_hf(cfg: GlmImageMoeModel.Config, *, text_only: bool) -> dict[str,
         "mlp_layer_types": ["sparse" if isinstance(layer.mlp, MoE.Config) else "dense" for layer in cfg.layers],
         "rms_norm_eps": cfg.norm.eps,
         "attention_bias": bool(first.kv_a_proj_with_mqa.bias),
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope.theta},
-        "rope_interleave": cfg.rope.layout == "interleaved",
+        "rope_parameters": {"rope_type": "default", "rope_theta": first.rope.theta},
+        "rope_interleave": first.rope.layout == "interleaved",
         "pad_token_id": cfg.embed_tokens.padding_idx,
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": False,

@@ -175,7 +175,10 @@ def _train(model, steps: int, pd: ParallelDims | None, *, start: int = 0, opt=No
     for step in range(start, start + steps):
         rows = global_rows(step)
         per = len(rows) // dp
-        mb = split_batch_for_cp(micro_batch(rows[dp_rank * per : (dp_rank + 1) * per]), cp_rank, cp)
+        mb = split_batch_for_cp(
+            micro_batch(rows[dp_rank * per : (dp_rank + 1) * per]), cp_rank, cp,
+            split_inputs=GlmImageMoeModel.split_inputs_for_cp, model_keys=GlmImageMoeModel.input_keys,
+        )  # fmt: skip
         opt.zero_grad()
         with CrossEntropyLoss.parallel_context(loss_parallel):
             loss = forward_loss(model, mb, global_token_count(step), loss_fn)
@@ -272,8 +275,9 @@ def dcp_load_job(layout: Layout, start: int, steps: int, checkpoint_dir: str) ->
     pd = parallelize(model, layout)
     model.to_empty(device="cpu")
     with torch.no_grad():  # non-persistent state is not in a checkpoint: RoPE tables, load counters
-        model.rope.init_own_weights()
         for module in model.modules():
+            if type(module).__name__ == "RoPE":
+                module.init_own_weights()
             if hasattr(module, "tokens_per_expert"):
                 module.tokens_per_expert.zero_()
     opt = make_optimizer([p for p in model.parameters() if p.requires_grad])

@@ -118,6 +118,7 @@ def mla_config_from_hf(cfg: Glm4MoeLiteConfig, backend: str = "sdpa") -> MLAtten
         q_a_proj=Linear.Config(bias=bias) if low_rank else None,
         kv_a_proj_with_mqa=Linear.Config(bias=bias),
         o_proj=Linear.Config(bias=bias),
+        rope=rope_config_from_hf(cfg),
         inner_attention=VarlenAttention.Config(backend=backend),
     )
 
@@ -167,7 +168,6 @@ def decoder_config_from_hf(
         vocab_size=cfg.vocab_size,
         dim=cfg.hidden_size,
         embed_tokens=Embedding.Config(padding_idx=cfg.pad_token_id),
-        rope=rope_config_from_hf(cfg),
         layers=[block_config_from_hf(cfg, i, moe) for i in range(cfg.num_hidden_layers)],
         norm=RMSNorm.Config(eps=cfg.rms_norm_eps),
         lm_head=Linear.Config(),

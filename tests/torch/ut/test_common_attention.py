@@ -88,14 +88,13 @@ def _mla_parity(cfg, B: int = 2, T: int = 11, x_scale: float = 1.0) -> tuple[flo
     torch.manual_seed(0)
     hf = randomize_(Glm4MoeLiteAttention(cfg, layer_idx=0), seed=3)
     ours = load_from_hf_(mla_config_from_hf(cfg).build(dim=cfg.hidden_size), hf)
-    rope = rope_config_from_hf(cfg).build(head_dim=ours.rope_head_dim)
     hf_rope = Glm4MoeLiteRotaryEmbedding(cfg)
 
     x, pos = _inputs(B, T, cfg.hidden_size)
     x = x * x_scale
     x_hf, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
     out_hf, _ = hf(x_hf, position_embeddings=hf_rope(x, pos), attention_mask=None)
-    out = ours(x_ours, rope_cos_sin=rope(pos, x.dtype))
+    out = ours(x_ours, position_ids=pos)
     grad_out = torch.randn_like(out)
     out_hf.backward(grad_out)
     out.backward(grad_out)
@@ -152,10 +151,9 @@ def test_mla_works_on_a_tensor_parallel_head_shard():
     cfg = tiny_lite_config()
     full = randomize_(mla_config_from_hf(cfg).build(dim=cfg.hidden_size), seed=5)
     x, pos = _inputs()
-    rope = rope_config_from_hf(cfg).build(head_dim=full.rope_head_dim)(pos, x.dtype)
     captured = {}
     full.o_proj.register_forward_hook(lambda m, inp, out: captured.setdefault("o_in", inp[0]))
-    full(x, rope_cos_sin=rope)
+    full(x, position_ids=pos)
     shard = mla_config_from_hf(cfg).build(dim=cfg.hidden_size)
     dq, dkv = 24, 32  # per-head rows of q_b_proj and kv_b_proj
     with torch.no_grad():
@@ -164,7 +162,7 @@ def test_mla_works_on_a_tensor_parallel_head_shard():
         shard.kv_b_proj.weight = torch.nn.Parameter(full.kv_b_proj.weight[: 2 * dkv].clone())
         shard.o_proj.weight = torch.nn.Parameter(full.o_proj.weight[:, : 2 * 16].clone())  # row-wise shard
     shard.o_proj.register_forward_hook(lambda m, inp, out: captured.setdefault("o_in_shard", inp[0]))
-    shard(x, rope_cos_sin=rope)
+    shard(x, position_ids=pos)
     torch.testing.assert_close(captured["o_in_shard"], captured["o_in"][..., : 2 * 16], atol=1e-6, rtol=0)
 
 
@@ -181,14 +179,14 @@ def test_gqa_matches_hf_qwen3(bias):
         q_proj=Linear.Config(bias=bias), k_proj=Linear.Config(bias=bias),
         v_proj=Linear.Config(bias=bias), o_proj=Linear.Config(bias=bias),
         q_norm=RMSNorm.Config(eps=1e-6), k_norm=RMSNorm.Config(eps=1e-6),
+        rope=RoPE.Config(theta=1e6, layout="half"),
         inner_attention=VarlenAttention.Config(backend="sdpa"),
     ).build(dim=64)  # fmt: skip
     load_from_hf_(ours, hf)
-    rope = RoPE.Config(theta=1e6, layout="half").build(head_dim=ours.rope_head_dim)
     x, pos = _inputs(D=64)
     x_hf, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
     out_hf, _ = hf(x_hf, position_embeddings=Qwen3RotaryEmbedding(qcfg)(x, pos), attention_mask=None)
-    out = ours(x_ours, rope_cos_sin=rope(pos, x.dtype))
+    out = ours(x_ours, position_ids=pos)
     assert_backward_parity(out, out_hf, ours, hf, x_ours, x_hf, TOL)
 
 

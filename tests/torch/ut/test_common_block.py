@@ -12,7 +12,11 @@ from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import (
     Glm4MoeLiteRotaryEmbedding,
 )
 
+from hyper_parallel.models.common.block import TransformerBlock
 from hyper_parallel.models.common.decoder import Decoder
+from hyper_parallel.models.common.feed_forward import FeedForward
+from hyper_parallel.models.common.gqa import GQAttention
+from hyper_parallel.models.common.rope import RoPE
 from hyper_parallel.models.common.moe import MoE
 from hyper_parallel.protocols.module import Module
 from tests.torch.ut.hf_utils import (
@@ -55,8 +59,7 @@ def test_decoder_layer_matches_hf(layer_idx):
     pos = torch.arange(12).expand(2, 12)
     x_hf, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
     out_hf = hf(x_hf, attention_mask=None, position_embeddings=Glm4MoeLiteRotaryEmbedding(cfg)(x, pos))
-    rope = rope_config_from_hf(cfg).build(head_dim=ours.self_attn.rope_head_dim)
-    out = ours(x_ours, rope_cos_sin=rope(pos, x.dtype))
+    out = ours(x_ours, position_ids=pos)
     assert_backward_parity(out, out_hf, ours, hf, x_ours, x_hf, TOL)
 
 
@@ -104,7 +107,8 @@ def test_decoder_meta_build_then_init_weights():
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     model.init_weights()
-    assert torch.equal(model.rope.inv_freq, dcfg.rope.build(head_dim=8).inv_freq)
+    rope = dcfg.layers[0].self_attn.rope
+    assert torch.equal(model.layers[0].self_attn.rope.inv_freq, rope.build(head_dim=8).inv_freq)
     assert torch.all(model.norm.weight == 1) and torch.all(model.layers[0].self_attn.kv_a_layernorm.weight == 1)
     assert model.layers[0].self_attn.q_a_proj.weight.std().item() == pytest.approx(0.02, rel=0.2)
     assert model(torch.zeros(1, 4, dtype=torch.long)).isfinite().all()
@@ -123,17 +127,32 @@ def test_decoder_nparams_and_flops():
     assert flops == pytest.approx(6 * active + attention)
 
 
-def test_decoder_rejects_layers_with_different_rope_dims():
-    dcfg = decoder_config_from_hf(tiny_lite_config())
-    other = block_config_from_hf(tiny_lite_config(qk_rope_head_dim=4), 0)
-    dcfg.layers.append(other)
-    with pytest.raises(ValueError, match="RoPE head dim"), torch.device("meta"):
-        dcfg.build()
+def test_decoder_layers_may_use_different_mixers_and_rope_dims():
+    """RoPE is per mixer: an MLA layer with another rotary dim and a GQA layer sit in one decoder."""
+    cfg = tiny_lite_config()
+    dcfg = decoder_config_from_hf(cfg)
+    dcfg.layers.append(block_config_from_hf(tiny_lite_config(qk_rope_head_dim=4), 0))
+    gqa = GQAttention.Config(n_heads=4, n_kv_heads=2, head_dim=16, rope=RoPE.Config(theta=1e6, layout="half"))
+    dcfg.layers.append(TransformerBlock.Config(self_attn=gqa, mlp=FeedForward.Config(hidden_dim=32)))
+    torch.manual_seed(0)
+    model = dcfg.build()
+    model.init_weights()
+    assert model.layers[-2].self_attn.rope.inv_freq.numel() == 2 and model.layers[-1].self_attn.rope.inv_freq.numel() == 8
+    x = torch.randn(1, 6, cfg.hidden_size)
+    h, aux = model.forward_layers(x)
+    assert aux is None and h.isfinite().all()
+    # each mixer rotates with its own table: the GQA layer's theta changes its output
+    pos = torch.arange(6)[None]
+    other_cfg = GQAttention.Config(n_heads=4, n_kv_heads=2, head_dim=16, rope=RoPE.Config(theta=1e4, layout="half"))
+    other = other_cfg.build(dim=cfg.hidden_size)
+    other.load_state_dict(model.layers[-1].self_attn.state_dict())
+    y = model.layers[-1].self_attn(x, position_ids=pos)
+    assert not torch.allclose(y, other(x, position_ids=pos))
 
 
 
 def test_decoder_config_overrides_through_tyro():
-    """The attention/MLP unions carry explicit subcommand names, so the CLI can reach every layer field."""
+    """tyro takes the recipe's concrete mixer/MLP classes, so the CLI reaches every layer field."""
     import warnings
 
     import tyro
@@ -144,11 +163,13 @@ def test_decoder_config_overrides_through_tyro():
         out = tyro.cli(
             Decoder.Config,
             default=dcfg,
-            args=["--layers.1.self_attn.q_lora_rank", "None", "--layers.2.mlp.gate.top_k", "1", "--rope.theta", "5e5"],
+            args=["--layers.1.self_attn.q_lora_rank", "None", "--layers.2.mlp.gate.top_k", "1",
+                  "--layers.0.self_attn.rope.theta", "5e5"],  # fmt: skip
             config=(tyro.conf.FlagConversionOff, tyro.conf.AvoidSubcommands),
             use_underscores=True,
         )
-    assert out.rope.theta == 5e5 and out.layers[2].mlp.gate.top_k == 1 and out.layers[0] == dcfg.layers[0]
+    assert out.layers[0].self_attn.rope.theta == 5e5 and out.layers[1].self_attn.rope.theta != 5e5
+    assert out.layers[2].mlp.gate.top_k == 1 and out.layers[2].self_attn == dcfg.layers[2].self_attn
     with torch.device("meta"):
         model = out.build()
     assert hasattr(model.layers[1].self_attn, "q_proj") and not hasattr(model.layers[1].self_attn, "q_a_proj")

@@ -63,9 +63,14 @@ def test_scheduler_state_round_trip() -> None:
             s.step()
 
 
-def test_scheduler_rejects_warmup_beyond_training() -> None:
-    with pytest.raises(ValueError, match="warmup_steps"):
-        _lrs(LRSchedulersContainer.Config(warmup_steps=5), total=5)
+def test_scheduler_clamps_warmup_to_a_short_run(caplog) -> None:
+    """A 3-step smoke run of a recipe with warmup 10 warms up over the 3 steps, with a one-line warning."""
+    with caplog.at_level("WARNING"):
+        lrs = _lrs(LRSchedulersContainer.Config(warmup_steps=10), total=3)
+    assert lrs == pytest.approx([1 / 3, 2 / 3, 1.0])
+    assert "warming up over all 3 steps" in caplog.text
+    with pytest.raises(ValueError, match="decay_steps=0"):
+        _lrs(LRSchedulersContainer.Config(warmup_steps=1, decay_steps=0), total=3)
 
 
 def test_ema_math_update_every_and_state() -> None:

@@ -146,7 +146,10 @@ def test_split_batch_for_cp_keeps_images_and_global_cu_seqlens():
         "cu_seqlens": torch.tensor([0, 5, 8, 16], dtype=torch.int32), "max_seqlen": 8,
         "visual_indices": flat, "vq_codes": torch.arange(flat.numel()) + 10,
     }  # fmt: skip
-    parts = [split_batch_for_cp(batch, r, 2) for r in range(2)]
+    from hyper_parallel.models.glm_image_moe_v2 import GlmImageMoeModel
+
+    split = GlmImageMoeModel.split_inputs_for_cp
+    parts = [split_batch_for_cp(batch, r, 2, split_inputs=split, model_keys=GlmImageMoeModel.input_keys) for r in range(2)]
     assert torch.equal(torch.cat([p["input_ids"] for p in parts], dim=1), ids)
     for p in parts:
         assert torch.equal(p["cu_seqlens"], batch["cu_seqlens"]) and p["max_seqlen"] == 8
@@ -154,6 +157,9 @@ def test_split_batch_for_cp_keeps_images_and_global_cu_seqlens():
         assert torch.equal(local[p["visual_indices"]], torch.full_like(p["vq_codes"], 9))
     assert sorted(torch.cat([p["vq_codes"] for p in parts]).tolist()) == batch["vq_codes"].tolist()
     assert parts[1]["position_ids"][0, 0] == 4
+    # [3, B, T] M-RoPE positions are split along T too
+    mrope = {**batch, "position_ids": torch.arange(T).repeat(3, 2, 1)}
+    assert split_batch_for_cp(mrope, 1, 2)["position_ids"].shape == (3, 2, 4)
     with pytest.raises(ValueError, match="not divisible by context_parallel_degree 3"):
         split_batch_for_cp(batch, 0, 3)
 

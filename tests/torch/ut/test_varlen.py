@@ -42,23 +42,23 @@ def _cu(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
 
 
-def _mla_and_rope():
+def _mla():
     cfg = tiny_lite_config()
-    attn = randomize_(mla_config_from_hf(cfg).build(dim=cfg.hidden_size), seed=11)
-    return attn, rope_config_from_hf(cfg).build(head_dim=attn.rope_head_dim)
+    return randomize_(mla_config_from_hf(cfg).build(dim=cfg.hidden_size), seed=11)
 
 
-def _gqa_and_rope():
+def _gqa():
     attn = GQAttention.Config(
         n_heads=4, n_kv_heads=2, head_dim=16, q_norm=RMSNorm.Config(eps=1e-6), k_norm=RMSNorm.Config(eps=1e-6),
         q_proj=Linear.Config(bias=True), k_proj=Linear.Config(bias=True), v_proj=Linear.Config(bias=True),
+        rope=RoPE.Config(layout="half"),
     ).build(dim=64)  # fmt: skip
-    return randomize_(attn, seed=12), RoPE.Config(layout="half").build(head_dim=16)
+    return randomize_(attn, seed=12)
 
 
-@pytest.mark.parametrize("make", [_mla_and_rope, _gqa_and_rope], ids=["mla", "gqa"])
+@pytest.mark.parametrize("make", [_mla, _gqa], ids=["mla", "gqa"])
 def test_packed_row_equals_documents_run_separately(make):
-    packed_attn, rope = make()
+    packed_attn = make()
     single_attn = copy.deepcopy(packed_attn)
     T = sum(DOCS)
     gen = torch.Generator().manual_seed(3)
@@ -68,7 +68,7 @@ def test_packed_row_equals_documents_run_separately(make):
     meta = AttentionMeta(cu_seqlens=_cu(DOCS), max_seqlen=max(DOCS))
     pos = meta.position_ids(1, T)
     x_packed = x.clone().requires_grad_()
-    out_packed = packed_attn(x_packed, rope_cos_sin=rope(pos, x.dtype), meta=meta)
+    out_packed = packed_attn(x_packed, position_ids=pos, meta=meta)
     out_packed.backward(grad_out)
 
     x_single = x.clone().requires_grad_()
@@ -76,7 +76,7 @@ def test_packed_row_equals_documents_run_separately(make):
     for length in DOCS:
         sl = slice(start, start + length)
         doc_pos = torch.arange(length)[None]
-        out = single_attn(x_single[:, sl], rope_cos_sin=rope(doc_pos, x.dtype))  # plain causal, no meta
+        out = single_attn(x_single[:, sl], position_ids=doc_pos)  # plain causal, no meta
         out.backward(grad_out[:, sl])
         outs.append(out.detach())
         start += length
@@ -84,7 +84,7 @@ def test_packed_row_equals_documents_run_separately(make):
     assert max_grad_diff(packed_attn, single_attn) <= TOL
     assert (x_packed.grad - x_single.grad).abs().max().item() <= TOL
     # and packing must matter: ignoring the boundaries gives another answer
-    plain = packed_attn(x, rope_cos_sin=rope(pos, x.dtype))
+    plain = packed_attn(x, position_ids=pos)
     assert (plain - out_packed).abs().max().item() > 1e-3
 
 
@@ -101,7 +101,6 @@ def test_mla_packed_batch_matches_hf_block_mask():
     cfg = tiny_lite_config()
     hf = randomize_(Glm4MoeLiteAttention(cfg, 0), seed=13)
     ours = load_from_hf_(mla_config_from_hf(cfg).build(dim=cfg.hidden_size), hf)
-    rope = rope_config_from_hf(cfg).build(head_dim=ours.rope_head_dim)
     rows = [[6, 6, 4], [3, 13]]
     B, T = 2, 16
     cu = _cu([n for row in rows for n in row])
@@ -112,7 +111,7 @@ def test_mla_packed_batch_matches_hf_block_mask():
     x_hf, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
     hf_cos_sin = Glm4MoeLiteRotaryEmbedding(cfg)(x, pos)
     out_hf, _ = hf(x_hf, position_embeddings=hf_cos_sin, attention_mask=_block_causal_mask(pos))
-    out = ours(x_ours, rope_cos_sin=rope(pos, x.dtype), meta=meta)
+    out = ours(x_ours, position_ids=pos, meta=meta)
     assert_backward_parity(out, out_hf, ours, hf, x_ours, x_hf, TOL)
 
 
@@ -123,16 +122,16 @@ def test_gqa_packed_row_matches_hf_block_mask():
     )  # fmt: skip
     qcfg._attn_implementation = "sdpa"
     hf = randomize_(Qwen3Attention(qcfg, 0), seed=14)
-    rope = RoPE.Config(layout="half").build(head_dim=16)
     ours = GQAttention.Config(
-        n_heads=4, n_kv_heads=2, head_dim=16, q_norm=RMSNorm.Config(eps=1e-6), k_norm=RMSNorm.Config(eps=1e-6)
+        n_heads=4, n_kv_heads=2, head_dim=16, q_norm=RMSNorm.Config(eps=1e-6), k_norm=RMSNorm.Config(eps=1e-6),
+        rope=RoPE.Config(layout="half"),
     ).build(dim=64)
     load_from_hf_(ours, hf)
     meta = AttentionMeta(cu_seqlens=_cu(DOCS))
     pos = meta.position_ids(1, sum(DOCS))
     x = torch.randn(1, sum(DOCS), 64, generator=torch.Generator().manual_seed(5))
     out_hf, _ = hf(x, position_embeddings=Qwen3RotaryEmbedding(qcfg)(x, pos), attention_mask=_block_causal_mask(pos))
-    out = ours(x, rope_cos_sin=rope(pos, x.dtype), meta=meta)
+    out = ours(x, position_ids=pos, meta=meta)
     assert (out - out_hf).abs().max().item() <= TOL
 
 
