@@ -29,6 +29,7 @@ from hyper_parallel.components import (
     LRSchedulersContainer,
     MetricsProcessor,
     OptimizersContainer,
+    Profiler,
     assert_finite,
 )
 from hyper_parallel.config.dtypes import to_torch_dtype
@@ -41,7 +42,7 @@ from hyper_parallel.config import (
     ParallelismConfig,
     TrainingConfig,
 )
-from hyper_parallel.data import DataStateMismatch, TokenDataLoader
+from hyper_parallel.data import DataConfig, DataStateMismatch
 from hyper_parallel.distributed.context_parallel import split_batch_for_cp
 from hyper_parallel.distributed.env import init_distributed, set_determinism, set_pg_timeouts, world_info
 from hyper_parallel.distributed.parallel_dims import ParallelDims
@@ -83,7 +84,7 @@ class Trainer(Configurable):
         """Process-group set-up."""
         debug: DebugConfig = field(default_factory=DebugConfig)
         """Seeds and determinism."""
-        data: TokenDataLoader.Config = field(default_factory=TokenDataLoader.Config)
+        data: DataConfig = field(default_factory=DataConfig)
         """Training data (a source the model spec accepts: DirectToken shards, text, preset batches ...)."""
         optimizer: OptimizersContainer.Config = field(default_factory=OptimizersContainer.Config)
         """Optimizer (AdamW, or Muon for hidden matrices with AdamW for the rest)."""
@@ -97,6 +98,8 @@ class Trainer(Configurable):
         """DCP checkpoints, resume, HF import and export."""
         metrics: MetricsProcessor.Config = field(default_factory=MetricsProcessor.Config)
         """Console, metrics.jsonl, TensorBoard and the loss curve."""
+        profiling: Profiler.Config = field(default_factory=Profiler.Config)
+        """torch.profiler traces per rank and CUDA memory snapshots (torchtitan's --profiling.* flags)."""
         dump_folder: str = "outputs"
         """Folder for checkpoints, metrics.jsonl, plots and the HF export (relative to the current folder)."""
 
@@ -282,28 +285,30 @@ class Trainer(Configurable):
         first_loss = last_loss = None
         losses: list[float] = []
         self.metrics.reset_timer()
-        while self.step < cfg.training.steps:
-            self.step += 1
-            stats = self.train_step()
-            losses.append(stats["loss"])
-            first_loss = stats["loss"] if first_loss is None else first_loss
-            last_loss = stats["loss"]
-            # log() accumulates tokens and time every step and emits every log_freq steps
-            self.metrics.log(
-                self.step,
-                loss=stats["loss"],
-                grad_norm=stats["grad_norm"],
-                lr=stats["lr"],
-                num_tokens=stats["num_tokens"],
-                expert_load=stats["expert_load"],
-                extra=stats["extra"],
-            )
-            if self.step == 1 and self.world_size > 1:
-                set_pg_timeouts(cfg.comm.train_timeout_seconds, self.parallel_dims.world_mesh)
-            last = self.step == cfg.training.steps
-            if self.checkpointer.should_save(self.step, last_step=last):
-                assert_finite(self.model)  # never write a poisoned checkpoint
-                self.checkpointer.save(self.step, last_step=last)
+        with cfg.profiling.build(dump_folder=self.dump_folder, global_step=self.step, device=self.device) as profiler:
+            while self.step < cfg.training.steps:
+                self.step += 1
+                stats = self.train_step()
+                losses.append(stats["loss"])
+                first_loss = stats["loss"] if first_loss is None else first_loss
+                last_loss = stats["loss"]
+                # log() accumulates tokens and time every step and emits every log_freq steps
+                self.metrics.log(
+                    self.step,
+                    loss=stats["loss"],
+                    grad_norm=stats["grad_norm"],
+                    lr=stats["lr"],
+                    num_tokens=stats["num_tokens"],
+                    expert_load=stats["expert_load"],
+                    extra=stats["extra"],
+                )
+                if self.step == 1 and self.world_size > 1:
+                    set_pg_timeouts(cfg.comm.train_timeout_seconds, self.parallel_dims.world_mesh)
+                last = self.step == cfg.training.steps
+                if self.checkpointer.should_save(self.step, last_step=last):
+                    assert_finite(self.model)  # never write a poisoned checkpoint
+                    self.checkpointer.save(self.step, last_step=last)
+                profiler.step()
         if cfg.checkpoint.export_hf:
             self.export_hf(self.dump_folder / "hf")
         return {"first_loss": first_loss, "last_loss": last_loss, "steps": self.step, "losses": losses}
@@ -469,18 +474,21 @@ class Trainer(Configurable):
                 f"model spec {self.spec.name!r} has no HF exporter: set --checkpoint.export_hf False"
             )
         ctx = self.ema.swap(self.model) if self.ema.enabled else nullcontext()
+        # Write inside the swap: on the CPU the gathered tensors may alias the parameters, which the swap
+        # restores to the live weights on exit.
         with ctx:
             sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.rank == 0:
-            dtype = to_torch_dtype(self.config.checkpoint.export_dtype, field="checkpoint.export_dtype")
-            self.spec.save_pretrained(self.model, path, state_dict=sd, dtype=dtype)  # config + passthrough from the model
-            self._log(f"HF export written to {path}")
+            if self.rank == 0:
+                dtype = to_torch_dtype(self.config.checkpoint.export_dtype, field="checkpoint.export_dtype")
+                self.spec.save_pretrained(self.model, path, state_dict=sd, dtype=dtype)  # config + passthrough
+                self._log(f"HF export written to {path}")
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()
 
     def close(self) -> None:
-        """Finish async saves, write the loss curve, destroy the process group."""
+        """Finish async saves, stop data workers, write the loss curve, destroy the process group."""
         self.checkpointer.close()
+        self.data.close()
         self.metrics.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -7,6 +7,7 @@ from hyper_parallel.components.lr_scheduler import LRSchedulersContainer, lr_fac
 from hyper_parallel.components.metrics import MetricsProcessor, measure_peak_flops
 from hyper_parallel.components.muon import MuonWithAuxAdamW, zeropower_via_newtonschulz5
 from hyper_parallel.components.optimizer import OptimizersContainer, get_hyper_optimizer, split_muon_params
+from hyper_parallel.components.profiler import Profiler, ProfilingConfig
 
 __all__ = [
     "BaseLoss",
@@ -18,6 +19,8 @@ __all__ = [
     "ModelWrapper",
     "MuonWithAuxAdamW",
     "OptimizersContainer",
+    "Profiler",
+    "ProfilingConfig",
     "assert_finite",
     "get_hyper_optimizer",
     "lr_factor",

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -233,6 +234,7 @@ class CheckpointManager(Configurable):
         # The async writer thread runs DCP's collectives; give it its own CPU (gloo) group so they
         # never interleave with the training collectives on the default group.
         self._pg = dist.new_group(backend="gloo") if config.enable and config.async_mode == "async" and _dist_on() else None
+        self._stager: DefaultStager | None = None  # built on the first async save, reused by every later one
 
     # -- paths -------------------------------------------------------------------------------
     def step_dir(self, step: int) -> Path:
@@ -284,7 +286,13 @@ class CheckpointManager(Configurable):
         state = self._dcp_state(step)
         self.last_saved_step = step
         if self.config.async_mode == "async":
-            result = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg, no_dist=_single_process())
+            result = dcp.async_save(
+                state,
+                checkpoint_id=str(tmp),
+                process_group=self._pg,
+                async_stager=self._async_stager(),
+                no_dist=_single_process(),
+            )
             self._pending = (getattr(result, "upload_completion", result), step)
             logger.info("checkpoint: async save of step %d started in %s", step, tmp)
         else:
@@ -292,6 +300,22 @@ class CheckpointManager(Configurable):
                 dcp.save(state, checkpoint_id=str(tmp), no_dist=_single_process())
             self._finalize(step)
         return True
+
+    def _async_stager(self) -> DefaultStager:
+        """The one stager of every async save. It copies the state into CPU buffers it keeps between saves
+        (pinned when CUDA is available: fast device->host copies), so a save reuses them instead of
+        allocating fresh pageable memory each time (DCP's default). Staging is synchronous: ``save``
+        returns once the copy is taken, so the next optimizer step cannot race it; only the write is
+        in the background. ``save`` waits for the previous write before staging into the same buffers.
+        The buffers (this rank's share of the checkpoint) stay allocated until ``close``."""
+        if self._stager is None:
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+                )
+            )
+        return self._stager
 
     def wait(self) -> None:
         """Block until a pending async save is written and finalised (no-op otherwise)."""
@@ -385,8 +409,11 @@ class CheckpointManager(Configurable):
         return state["train_state"].step
 
     def close(self) -> None:
-        """Finish a pending async save."""
+        """Finish a pending async save and free the staging buffers."""
         self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
 
 def _config_json(config: Any) -> Any:

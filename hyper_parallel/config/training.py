@@ -12,8 +12,9 @@ class TrainingConfig:
     """Number of optimizer steps to run."""
     max_norm: float = 1.0
     """Clip the global gradient norm (over all meshes) to this value; <= 0 disables clipping."""
-    mixed_precision_param: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Dtype FSDP casts parameters to for forward/backward compute."""
+    mixed_precision_param: Literal["float32", "bfloat16"] = "float32"
+    """Dtype FSDP casts parameters to for forward/backward compute. (float16 is not offered: its narrow
+    range needs loss scaling, which this trainer does not do; bfloat16 has fp32's range.)"""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype FSDP reduce-scatters gradients in."""
     defer_grad_reduce: bool = False
@@ -24,6 +25,20 @@ class TrainingConfig:
     rate towards equal expert load (DeepSeek-V3); 0 disables it."""
     on_nonfinite: Literal["error", "skip"] = "error"
     """A NaN/inf loss or grad norm: `error` stops naming the step, `skip` drops that step's update."""
+
+    def __post_init__(self) -> None:
+        if self.mixed_precision_param not in ("float32", "bfloat16"):
+            from hyper_parallel.config.manager import ConfigError  # manager imports this module
+
+            hint = (
+                " float16 gradients underflow without loss scaling (a GradScaler), which this trainer does not do;"
+                if self.mixed_precision_param in ("float16", "fp16", "half")
+                else ""
+            )
+            raise ConfigError(
+                f"training.mixed_precision_param={self.mixed_precision_param!r} is not supported:{hint} "
+                "use 'bfloat16' (fp32's exponent range, no scaling needed) or 'float32'"
+            )
 
 
 @dataclass(kw_only=True, slots=True)

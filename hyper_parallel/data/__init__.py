@@ -1,38 +1,75 @@
-"""Training data: DirectToken webdataset shards, preset batches, packing, dyn_bsz and its loss.
+"""Training data: sources, layout-independent order, packing, dyn_bsz steps, exact resume.
 
-Entry points: :class:`DataConfig` (``= TokenDataLoader.Config``, the run config's ``data``
-section) whose ``build(dp_rank=, dp_world_size=, lang_vocab_size=, codebook_size=,
-placeholder_token_id=)`` returns a :class:`TokenDataLoader`; :func:`global_token_count` and
-:func:`global_token_mean_ce` for the loss; :class:`DirectTokenWriter` / ``python -m
-hyper_parallel.data.direct_token`` to write shards.
+Entry point: :class:`DataConfig` (``= BaseDataLoader.Config``, the run config's ``data`` section)
+whose ``build(dp_rank=, dp_world_size=, seq_multiple=, model_facts=)`` returns the loader of
+``data.source``:
+
+- ``direct_token`` (:class:`TokenDataLoader`): VQ image + text webdataset shards;
+- ``text`` (:class:`HuggingFaceTextDataLoader`): pre-tokenised shards, or raw jsonl/parquet/arrow
+  files tokenised once into a cache;
+- ``vision_language`` (:class:`VisionLanguageDataLoader`): images + text webdataset shards;
+- ``preset_pt`` (:class:`PresetDataLoader`): saved micro-batches;
+- ``dummy`` (:class:`DummyDataLoader`): random tokens.
+
+Every loader implements :class:`BaseDataLoader`: ``next_step()`` (this DP rank's micro-batches),
+``state_dict()`` / ``load_state_dict()`` (the same state on every rank; resumes on any DP degree
+and worker count), ``metrics()`` (``bad_samples_skipped``). The sequence of global batches depends
+only on the data config and the seed (:mod:`.base`, :mod:`.plan`). Shards are written with
+:class:`DirectTokenWriter` / ``python -m hyper_parallel.data.direct_token`` or
+:class:`TextShardWriter`, each shard with its index (:mod:`.index`).
 """
 
-from hyper_parallel.data.dataloader import DataConfig, TokenDataLoader
-from hyper_parallel.data.direct_token import DirectTokenWriter, check_shards, read_samples, write_shards
-from hyper_parallel.data.loss import global_token_count, global_token_mean_ce
-from hyper_parallel.data.packing import batch_to_device, collate_packed
-from hyper_parallel.data.preset import BATCH_KEYS, check_batch
-from hyper_parallel.data.sample import BAD_SAMPLE_KINDS, IGNORE_INDEX, BadSampleError, Sample, SampleSpec, make_sample
+from hyper_parallel.data.bad_samples import BAD_SAMPLE_KINDS, IGNORE_INDEX, BadSampleError
+from hyper_parallel.data.base import DATA_SOURCES, BaseDataLoader, DataConfig, DataStateMismatch
+from hyper_parallel.data.direct_token import (
+    DIRECT_TOKEN_BAD_KINDS,
+    DirectTokenWriter,
+    Sample,
+    SampleSpec,
+    TokenDataLoader,
+    check_shards,
+    collate_direct_token,
+    make_sample,
+    read_samples,
+    write_shards,
+)
+from hyper_parallel.data.dummy import DummyDataLoader
+from hyper_parallel.data.layout_check import first_difference, global_batches
+from hyper_parallel.data.packing import TokenDocument, batch_to_device, collate_packed
+from hyper_parallel.data.preset import BATCH_KEYS, PresetDataLoader, check_batch
+from hyper_parallel.data.text_loader import HuggingFaceTextDataLoader, TextShardWriter
 from hyper_parallel.data.toy_corpus import ToyCorpusSpec, cached_toy_corpus, make_toy_samples, write_toy_corpus
+from hyper_parallel.data.vision_language import VisionLanguageDataLoader
 
 __all__ = [
     "BAD_SAMPLE_KINDS",
     "BATCH_KEYS",
+    "DATA_SOURCES",
+    "DIRECT_TOKEN_BAD_KINDS",
     "IGNORE_INDEX",
     "BadSampleError",
+    "BaseDataLoader",
     "DataConfig",
+    "DataStateMismatch",
     "DirectTokenWriter",
+    "DummyDataLoader",
+    "HuggingFaceTextDataLoader",
+    "PresetDataLoader",
     "Sample",
     "SampleSpec",
+    "TextShardWriter",
     "TokenDataLoader",
+    "VisionLanguageDataLoader",
+    "TokenDocument",
     "ToyCorpusSpec",
     "batch_to_device",
     "cached_toy_corpus",
     "check_batch",
     "check_shards",
+    "collate_direct_token",
     "collate_packed",
-    "global_token_count",
-    "global_token_mean_ce",
+    "first_difference",
+    "global_batches",
     "make_sample",
     "make_toy_samples",
     "read_samples",

@@ -1,116 +1,148 @@
-"""Packing: documents into micro-batches of at most ``max_tokens`` tokens, and the batch contract.
+"""Packing: documents into micro-batches of at most ``max_tokens`` tokens, and the generic batch contract.
 
-:class:`Packer` is a first-fit packer over ``open_bins`` partly filled micro-batches: a document
-goes into the first open bin with room; if none has room, the fullest open bin is emitted (when all
-``open_bins`` are in use) and a new bin is opened. A bin that is exactly full is emitted at once.
-``open_bins=1`` is next-fit (arrival order). The open bins are part of the checkpoint.
+:class:`FirstFitPacker` decides which documents share a micro-batch from their lengths alone (the
+global plan runs it on the index, before any record is read): a document goes into the first open
+bin with room; if none has room, the fullest open bin is emitted (when all ``open_bins`` are in
+use) and a new bin is opened. A bin that is exactly full is emitted at once. ``open_bins=1`` is
+next-fit (arrival order). The open bins are part of the plan's checkpoint.
 
-:func:`collate_packed` turns one bin into the batch contract (DESIGN.md sections 4-5):
+:func:`collate_packed` turns the documents of one bin into the generic batch contract
+(DESIGN.md section 8):
 
 - ``input_ids`` int64 ``[1, T]``: the documents back to back, then padding (``pad_token_id``) up to
-  a multiple of ``pad_to_multiple_of``; image positions hold ``placeholder_token_id``;
+  a multiple of ``pad_to_multiple_of``;
 - ``labels`` int64 ``[1, T]``: already shifted, -100 at each document's last position and padding;
 - ``position_ids`` int64 ``[1, T]``: restart at 0 for every document (and for the padding run);
 - ``cu_seqlens`` int32 ``[D+1]``: segment boundaries over the flat stream, the padding run being
   the last segment, so ``cu_seqlens[-1] == T``; ``max_seqlen`` int: the longest segment;
-- ``visual_indices`` int64 ``[N]``: flat positions of the image tokens (indices into
-  ``input_ids.view(-1)``); ``vq_codes`` int64 ``[N]``: their codes, in the same order;
-- ``placeholder_token_id`` int.
+
+plus the source's model inputs, from its ``extras(documents, offsets)`` hook (DirectToken:
+``visual_indices``, ``vq_codes``). Generic code knows no model input.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
 
-from hyper_parallel.data.sample import IGNORE_INDEX, Sample
+from hyper_parallel.data.bad_samples import IGNORE_INDEX
 
-__all__ = ["Packer", "batch_to_device", "collate_packed"]
+__all__ = ["Document", "FirstFitPacker", "TokenDocument", "batch_to_device", "collate_packed", "shift_labels"]
+
+R = TypeVar("R")
 
 
-class Packer:
-    """First-fit packing of a sample stream into bins of at most ``max_tokens`` tokens."""
+class Document(Protocol):
+    """What packing needs of a decoded document: int arrays ``input_ids`` and shifted ``labels`` ``[L]``."""
 
-    def __init__(self, source: Callable[[], Sample], max_tokens: int, open_bins: int) -> None:
-        self.source, self.max_tokens, self.open_bins = source, max_tokens, max(1, open_bins)
-        self.bins: list[list[Sample]] = []
-        self.used: list[int] = []  # tokens in each open bin
-        self.ready: deque[list[Sample]] = deque()
+    key: str
+    input_ids: np.ndarray
+    labels: np.ndarray
 
-    def next(self) -> list[Sample]:
-        """The next full-enough micro-batch (a list of samples, in packing order)."""
-        while not self.ready:
-            sample = self.source()
-            n = len(sample)
-            if n > self.max_tokens:  # validation rejects these earlier; guard against misuse
-                raise ValueError(f"sample {sample.key!r} has {n} tokens > max_tokens={self.max_tokens}")
-            i = next((i for i, u in enumerate(self.used) if u + n <= self.max_tokens), None)
-            if i is None:
-                while len(self.bins) >= self.open_bins:
+    def __len__(self) -> int: ...
+
+
+@dataclass(slots=True, eq=False)
+class TokenDocument:
+    """A plain token document (text): ``input_ids``/``labels`` int32 ``[L]``, labels already shifted."""
+
+    key: str
+    shard: str
+    input_ids: np.ndarray
+    labels: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def shift_labels(targets: np.ndarray) -> np.ndarray:
+    """``labels[t] = targets[t + 1]``; the last position predicts nothing (never across documents)."""
+    labels = np.empty_like(targets)
+    labels[:-1] = targets[1:]
+    labels[-1:] = IGNORE_INDEX
+    return labels
+
+
+class FirstFitPacker(Generic[R]):
+    """First-fit packing of ``(length, ref)`` items into bins of at most ``max_tokens`` tokens."""
+
+    def __init__(self, max_tokens: int, open_bins: int, bins: Sequence[Sequence[tuple[int, R]]] = ()) -> None:
+        self.max_tokens, self.open_bins = max_tokens, max(1, open_bins)
+        self.bins: list[list[tuple[int, R]]] = [list(b) for b in bins]
+        self.used: list[int] = [sum(n for n, _ in b) for b in self.bins]
+
+    def add(self, length: int, ref: R) -> list[list[tuple[int, R]]]:
+        """Place one item; returns the bins this emits (zero, one or two), in order."""
+        return self.add_many([(length, ref)])
+
+    def add_many(self, items: Iterable[tuple[int, R]]) -> list[list[tuple[int, R]]]:
+        """Place items in order; returns the bins they emit, in order (the planner's inner loop)."""
+        max_tokens, open_bins, bins, used = self.max_tokens, self.open_bins, self.bins, self.used
+        out: list[list[tuple[int, R]]] = []
+        for item in items:
+            length = item[0]
+            if not 0 < length <= max_tokens:
+                raise ValueError(f"item {item[1]!r} has {length} tokens, outside [1, max_tokens={max_tokens}]")
+            room = max_tokens - length
+            i = -1
+            for j, u in enumerate(used):
+                if u <= room:
+                    i = j
+                    break
+            if i < 0:
+                while len(bins) >= open_bins:
                     # emit the fullest bin: it is the least likely to take another document
-                    self._emit(self.used.index(max(self.used)))
-                self.bins.append([])
-                self.used.append(0)
-                i = len(self.bins) - 1
-            self.bins[i].append(sample)
-            self.used[i] += n
-            if self.used[i] == self.max_tokens:
-                self._emit(i)
-        return self.ready.popleft()
-
-    def _emit(self, i: int) -> None:
-        self.ready.append(self.bins.pop(i))
-        self.used.pop(i)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "bins": [[s.to_dict() for s in b] for b in self.bins],
-            "ready": [[s.to_dict() for s in b] for b in self.ready],
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.bins = [[Sample.from_dict(s) for s in b] for b in state["bins"]]
-        self.used = [sum(len(s) for s in b) for b in self.bins]
-        self.ready = deque([Sample.from_dict(s) for s in b] for b in state["ready"])
+                    k = used.index(max(used))
+                    used.pop(k)
+                    out.append(bins.pop(k))
+                bins.append([])
+                used.append(0)
+                i = len(bins) - 1
+            bins[i].append(item)
+            used[i] += length
+            if used[i] == max_tokens:
+                used.pop(i)
+                out.append(bins.pop(i))
+        return out
 
 
 def collate_packed(
-    samples: Sequence[Sample],
+    documents: Sequence[Document],
     *,
-    placeholder_token_id: int,
     pad_token_id: int = 0,
     pad_to_multiple_of: int = 1,
+    extras: Callable[[Sequence[Document], np.ndarray], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Pack ``samples`` into one ``[1, T]`` micro-batch in the batch contract (module docstring)."""
-    if not samples:
-        raise ValueError("collate_packed needs at least one sample")
-    lengths = [len(s) for s in samples]
+    """Pack ``documents`` into one ``[1, T]`` micro-batch in the batch contract (module docstring).
+
+    ``extras(documents, offsets)`` adds the source's model inputs; ``offsets[i]`` is where document
+    ``i`` starts in the flat stream.
+    """
+    if not documents:
+        raise ValueError("collate_packed needs at least one document")
+    lengths = [len(d) for d in documents]
     used = sum(lengths)
     total = -(-used // pad_to_multiple_of) * pad_to_multiple_of
     pad = total - used
     offsets = np.cumsum([0, *lengths])
-
-    input_ids = np.concatenate([s.input_ids for s in samples] + [np.full(pad, pad_token_id, np.int32)])
-    labels = np.concatenate([s.labels for s in samples] + [np.full(pad, IGNORE_INDEX, np.int32)])
+    input_ids = np.concatenate([d.input_ids for d in documents] + [np.full(pad, pad_token_id, np.int64)])
+    labels = np.concatenate([d.labels for d in documents] + [np.full(pad, IGNORE_INDEX, np.int64)])
     seg_lengths = lengths + ([pad] if pad else [])
     position_ids = np.concatenate([np.arange(n, dtype=np.int64) for n in seg_lengths])
-    cu_seqlens = np.cumsum([0, *seg_lengths])
-    visual_indices = np.concatenate([s.image_positions + off for s, off in zip(samples, offsets[:-1])])
-    vq_codes = np.concatenate([s.vq_codes for s in samples])
-    return {
-        "input_ids": torch.from_numpy(input_ids.astype(np.int64)).view(1, total),
-        "labels": torch.from_numpy(labels.astype(np.int64)).view(1, total),
+    batch = {
+        "input_ids": torch.from_numpy(input_ids.astype(np.int64, copy=False)).view(1, total),
+        "labels": torch.from_numpy(labels.astype(np.int64, copy=False)).view(1, total),
         "position_ids": torch.from_numpy(position_ids).view(1, total),
-        "cu_seqlens": torch.from_numpy(cu_seqlens.astype(np.int32)),
+        "cu_seqlens": torch.from_numpy(np.cumsum([0, *seg_lengths]).astype(np.int32)),
         "max_seqlen": int(max(seg_lengths)),
-        "visual_indices": torch.from_numpy(visual_indices.astype(np.int64)),
-        "vq_codes": torch.from_numpy(vq_codes.astype(np.int64)),
-        "placeholder_token_id": int(placeholder_token_id),
     }
+    if extras is not None:
+        batch.update(extras(documents, offsets[:-1]))
+    return batch
 
 
 def batch_to_device(batch: dict[str, Any], device: torch.device | str, non_blocking: bool = True) -> dict[str, Any]:

@@ -1,40 +1,41 @@
 """The ``preset_pt`` source: replay a ``torch.save``d list of ready micro-batches.
 
 For exact comparisons between runs and frameworks: the file holds a list of dicts in the batch
-contract (see :mod:`hyper_parallel.data.packing`; ``[B, T]`` rows are allowed, ``visual_indices``
-index ``input_ids.view(-1)``). Step ``s`` uses the next ``dp_world_size * micro_batches_per_step``
-batches of the list; rank ``r`` takes the ``r``-th run of ``micro_batches_per_step`` of them. The
-list repeats when it runs out. Batches are checked on load; a broken one is an error naming its
-index.
+contract (generic keys, ``[B, T]`` rows allowed, plus any model inputs). Batch ``i`` of the list is
+global micro-batch ``i`` (the list repeats when it runs out), so a step on rank ``r`` gets the same
+batches for every DP degree (:mod:`.base`). Batches are checked on load; a broken one is an error
+naming its index. Model inputs are checked by the source that defines them
+(:func:`register_batch_check`, e.g. DirectToken's ``vq_codes``); without one, input ids and labels
+must lie below the model's ``vocab_size``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import torch
 
-from hyper_parallel.data.sample import IGNORE_INDEX
+from hyper_parallel.data.bad_samples import IGNORE_INDEX
+from hyper_parallel.data.base import BaseDataLoader
 
-__all__ = ["BATCH_KEYS", "PresetBatches", "check_batch"]
+__all__ = ["BATCH_KEYS", "PresetDataLoader", "check_batch", "register_batch_check"]
 
-BATCH_KEYS = (
-    "input_ids",
-    "labels",
-    "position_ids",
-    "cu_seqlens",
-    "max_seqlen",
-    "visual_indices",
-    "vq_codes",
-    "placeholder_token_id",
-)
-"""The keys of every micro-batch (the batch contract)."""
+BATCH_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen")
+"""The generic keys of every micro-batch (the batch contract); model inputs come on top."""
+
+BatchCheck = Callable[[dict[str, Any], Mapping[str, Any], str], None]
+_BATCH_CHECKS: dict[str, BatchCheck] = {}
 
 
-def check_batch(
-    batch: Mapping[str, Any], *, lang_vocab_size: int, codebook_size: int, placeholder_token_id: int, where: str
-) -> dict[str, Any]:
+def register_batch_check(key: str, check: BatchCheck) -> None:
+    """``check(batch, model_facts, where)`` validates (and may normalise) batches that hold ``key``;
+    it also owns the range of ``input_ids`` and ``labels`` of such batches."""
+    _BATCH_CHECKS[key] = check
+
+
+def check_batch(batch: Mapping[str, Any], *, model_facts: Mapping[str, Any], where: str) -> dict[str, Any]:
     """Validate one micro-batch against the contract; returns it with canonical dtypes."""
 
     def fail(msg: str) -> None:
@@ -45,55 +46,44 @@ def check_batch(
     missing = [k for k in BATCH_KEYS if k not in batch]
     if missing:
         fail(f"is missing {missing} (the batch contract has {list(BATCH_KEYS)})")
-    out = {k: batch[k] for k in BATCH_KEYS}
-    for k in ("input_ids", "labels", "position_ids", "visual_indices", "vq_codes", "cu_seqlens"):
+    out = dict(batch)
+    for k in ("input_ids", "labels", "position_ids", "cu_seqlens"):
         v = out[k]
         if not isinstance(v, torch.Tensor) or v.dtype.is_floating_point or v.dtype.is_complex:
             fail(f"{k} must be an integer tensor")
         out[k] = v.to(torch.int32 if k == "cu_seqlens" else torch.int64)
-    ids = out["input_ids"]
+    ids, labels, pos = out["input_ids"], out["labels"], out["position_ids"]
     if ids.dim() != 2:
         fail(f"input_ids must be [B, T], got shape {tuple(ids.shape)}")
-    for k in ("labels", "position_ids"):
-        if out[k].shape != ids.shape:
-            fail(f"{k} shape {tuple(out[k].shape)} != input_ids shape {tuple(ids.shape)}")
+    if labels.shape != ids.shape:
+        fail(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(ids.shape)}")
+    if pos.shape != ids.shape and pos.shape != (3, *ids.shape):
+        fail(f"position_ids shape {tuple(pos.shape)} must be input_ids' {tuple(ids.shape)} or [3, B, T]")
     cu = out["cu_seqlens"]
     if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != ids.numel() or bool((cu.diff() < 0).any()):
         fail(f"cu_seqlens must rise from 0 to input_ids.numel()={ids.numel()}, got {cu.tolist()}")
-    if int(out["placeholder_token_id"]) != placeholder_token_id:
-        fail(f"placeholder_token_id {out['placeholder_token_id']} != the model's {placeholder_token_id}")
-    vi, codes = out["visual_indices"], out["vq_codes"]
-    if vi.shape != codes.shape or vi.dim() != 1:
-        fail(f"visual_indices {tuple(vi.shape)} and vq_codes {tuple(codes.shape)} must be matching 1-D tensors")
-    flat = ids.view(-1)
-    if vi.numel() and (int(vi.min()) < 0 or int(vi.max()) >= flat.numel() or bool((flat[vi] != placeholder_token_id).any())):
-        fail("visual_indices must point at placeholder tokens of input_ids")
-    if int((flat == placeholder_token_id).sum()) != vi.numel():
-        fail("every placeholder token of input_ids needs a visual_indices entry")
-    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= codebook_size):
-        fail(f"vq_codes must lie in [0, codebook_size={codebook_size})")
-    labels = out["labels"]
-    if bool(((labels != IGNORE_INDEX) & ((labels < 0) | (labels >= lang_vocab_size + codebook_size))).any()):
-        fail(f"labels must be -100 or in [0, lang_vocab_size + codebook_size={lang_vocab_size + codebook_size})")
     out["max_seqlen"] = int(out["max_seqlen"])
-    out["placeholder_token_id"] = int(out["placeholder_token_id"])
+    if bool((ids < 0).any()) or bool(((labels != IGNORE_INDEX) & (labels < 0)).any()):
+        fail("input_ids must be >= 0 and labels >= 0 or -100")
+    checks = [check for key, check in _BATCH_CHECKS.items() if key in out]
+    for check in checks:
+        check(out, model_facts, where)
+    vocab = model_facts.get("vocab_size")
+    if not checks and vocab is not None and (bool((ids >= vocab).any()) or bool((labels >= vocab).any())):
+        fail(f"input_ids and labels must lie below the model's vocab_size={vocab}")
     return out
 
 
-class PresetBatches:
-    """Serves the saved micro-batches step by step for one DP rank; ``cursor`` is its state."""
+class PresetDataLoader(BaseDataLoader):
+    """Serves saved micro-batches: global micro-batch ``g`` is batch ``g mod len(list)``."""
 
-    def __init__(
-        self,
-        path: str,
-        *,
-        dp_rank: int,
-        dp_world_size: int,
-        micro_batches_per_step: int,
-        lang_vocab_size: int,
-        codebook_size: int,
-        placeholder_token_id: int,
-    ) -> None:
+    source: ClassVar[str] = "preset_pt"
+
+    def __init__(self, config: BaseDataLoader.Config, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        path = config.path
+        if not path:
+            raise ValueError("data.source=preset_pt needs data.path: the .pt file of saved batches")
         try:
             batches = torch.load(path, map_location="cpu", weights_only=True)
         except FileNotFoundError:
@@ -101,22 +91,12 @@ class PresetBatches:
         if not isinstance(batches, (list, tuple)) or not batches:
             raise ValueError(f"data.path={path!r} must hold a non-empty list of batch dicts, got {type(batches).__name__}")
         self.batches = [
-            check_batch(
-                b, lang_vocab_size=lang_vocab_size, codebook_size=codebook_size,
-                placeholder_token_id=placeholder_token_id, where=f"{path} batch {i}",
-            )
-            for i, b in enumerate(batches)
+            check_batch(b, model_facts=self.model_facts, where=f"{path} batch {i}") for i, b in enumerate(batches)
         ]
-        self.dp_rank, self.dp_world_size, self.per_step = dp_rank, dp_world_size, micro_batches_per_step
-        self.cursor = 0  # index of the first batch of the next step (over the whole, repeating list)
+        self._file = f"{os.path.basename(path)}:{os.path.getsize(path)}"
 
-    def next_step(self) -> list[dict[str, Any]]:
-        start = self.cursor + self.dp_rank * self.per_step
-        self.cursor += self.dp_world_size * self.per_step
-        return [dict(self.batches[(start + m) % len(self.batches)]) for m in range(self.per_step)]
+    def _micro_batches(self, gs: range) -> list[dict[str, Any]]:
+        return [dict(self.batches[g % len(self.batches)]) for g in gs]
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"cursor": self.cursor}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.cursor = int(state["cursor"])
+    def _order(self) -> dict[str, Any]:
+        return {"source": self.source, "file": self._file}

@@ -9,9 +9,10 @@ groups the rows by destination rank (rank ``p`` owns experts ``[p*L, (p+1)*L)``)
     dispatch: sort locally -> exchange counts [P, L] -> all_to_all rows -> regroup by local expert
     combine:  undo the regrouping -> reverse all_to_all -> un-sort, weight and sum over K locally
 
-Rows are variable-sized per rank, so the split sizes are host ints (one device->host sync per
-dispatch, as in torchtitan). The row all-to-alls are differentiable (``all_to_all_single_autograd``,
-supported by gloo and NCCL); the count exchange carries no gradient.
+Rows are variable-sized per rank, so the split sizes are host ints: ONE device->host copy per dispatch
+(the sent and received counts together; the regroup index is then built on the device from host
+sizes, without a sync of its own). The row all-to-alls are differentiable
+(``all_to_all_single_autograd``, supported by gloo and NCCL); the count exchange carries no gradient.
 """
 
 from __future__ import annotations
@@ -63,11 +64,12 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         counts_recv_PL = torch.empty_like(counts_E)
         dist.all_to_all_single(counts_recv_PL, counts_E, group=self.group)
         counts_recv_PL = counts_recv_PL.view(P, L)
-        send_splits = counts_E.view(P, L).sum(dim=1).tolist()
-        recv_splits = counts_recv_PL.sum(dim=1).tolist()
+        # The one device->host copy: rows sent to and received from each rank.
+        splits = torch.cat([counts_E.view(P, L).sum(dim=1), counts_recv_PL.sum(dim=1)]).tolist()
+        send_splits, recv_splits = splits[:P], splits[P:]
         x_RD = wait_tensor(all_to_all_single_autograd(x_SD, recv_splits, send_splits, self.group))
         # Received rows are [source p][local expert l][rows]; the experts want [l][p][rows].
-        regroup_idx_R = _regroup_index(counts_recv_PL)
+        regroup_idx_R = _regroup_index(counts_recv_PL, sum(recv_splits))
         x_RD = x_RD.index_select(0, regroup_idx_R)
         num_tokens_per_local_expert_L = counts_recv_PL.sum(dim=0)
         return x_RD, num_tokens_per_local_expert_L, ExpertParallelState(
@@ -83,12 +85,16 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         return f"{type(self).__name__}(num_experts={self.num_experts}, ep={self.ep})"
 
 
-def _regroup_index(counts_PL: torch.Tensor) -> torch.Tensor:
-    """Row indices that reorder a ``[p][l]``-blocked buffer into ``[l][p]`` blocks."""
+def _regroup_index(counts_PL: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """Row indices that reorder a ``[p][l]``-blocked buffer of ``total`` rows into ``[l][p]`` blocks.
+
+    Pass ``total`` (= ``counts_PL.sum()``) from the host: building the index then syncs nothing.
+    """
     flat = counts_PL.reshape(-1)
+    if total is None:
+        total = int(flat.sum())
     starts_LP = (torch.cumsum(flat, 0) - flat).view(counts_PL.shape).t().reshape(-1)
     counts_LP = counts_PL.t().reshape(-1)
-    total = int(flat.sum())
     # Position of each output row inside its block, plus the block's start in the received buffer.
     block_start_out = torch.repeat_interleave(torch.cumsum(counts_LP, 0) - counts_LP, counts_LP, output_size=total)
     offset_in_block = torch.arange(total, device=flat.device) - block_start_out

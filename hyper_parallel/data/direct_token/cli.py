@@ -13,7 +13,7 @@ import numpy as np
 
 from hyper_parallel.data.direct_token.reading import check_shards
 from hyper_parallel.data.direct_token.writer import write_shards
-from hyper_parallel.data.sample import SampleSpec
+from hyper_parallel.data.direct_token.sample import SampleSpec
 
 __all__ = ["main"]
 
@@ -67,8 +67,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--max-tokens", type=int, required=True, help="packing budget (data.max_tokens_per_microbatch)")
     _model_facts(c, required=True)
 
+    x = sub.add_parser("index", help="write the index side file (<shard>.idx.npz) of shards written without one")
+    x.add_argument("--path", required=True, help="directory, glob or brace pattern")
+    x.add_argument("--placeholder-token-id", type=int, required=True, help="token id of every image position")
+
     args = parser.parse_args(argv)
-    if args.command == "write":
+    if args.command == "index":
+        from hyper_parallel.data.direct_token.sample import direct_token_index_spec
+        from hyper_parallel.data.index import build_index, sidecar_path, write_index
+        from hyper_parallel.data.shards import resolve_shards
+
+        spec = direct_token_index_spec(args.placeholder_token_id)
+        shards = resolve_shards(args.path)
+        for shard in shards:
+            write_index(build_index(shard, spec), sidecar_path(shard), shard_size=os.path.getsize(shard), spec=spec)
+        print(f"indexed {len(shards)} shard(s)")
+    elif args.command == "write":
         try:
             shards = write_shards(
                 args.output_dir,

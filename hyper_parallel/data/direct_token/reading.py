@@ -9,13 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from hyper_parallel.data.sample import (
-    BAD_SAMPLE_KINDS,
-    BadSample,
-    SampleSpec,
-    bad_sample_message,
-    decode_sample,
-)
+from hyper_parallel.data.bad_samples import BadSample, bad_sample_message
+from hyper_parallel.data.direct_token.sample import DIRECT_TOKEN_BAD_KINDS, SampleSpec, decode_sample
 from hyper_parallel.data.shards import iter_tar_records, resolve_shards
 
 __all__ = ["check_shards", "read_samples"]
@@ -25,8 +20,8 @@ def read_samples(path: str) -> Iterator[dict[str, Any]]:
     """Every sample of the shards named by ``path`` in file order, undecoded beyond npy/json:
     ``{"key", "shard", "tokens", "vq_codes", **json}`` (raises on unreadable files)."""
     for shard in resolve_shards(path):
-        for _, key, files in iter_tar_records(shard, lambda i: True):
-            assert files is not None
+        for record in iter_tar_records(shard):
+            key, files = record.key, record.files or {}
             meta = json.loads(files["json"]) if "json" in files else {}
             yield {
                 "key": key,
@@ -43,14 +38,14 @@ def check_shards(path: str, spec: SampleSpec) -> dict[str, Any]:
 
     def bad(shard: str, key: str | None, kind: str, detail: str) -> None:
         report["bad"][kind] = report["bad"].get(kind, 0) + 1
-        report["messages"].append(bad_sample_message(shard, key, kind, detail))
+        report["messages"].append(bad_sample_message("DirectToken", shard, key, kind, detail))
 
     for shard in resolve_shards(path):
         try:
-            for _, key, files in iter_tar_records(shard, lambda i: True):
-                assert files is not None
+            for record in iter_tar_records(shard):
+                key = record.key
                 try:
-                    sample = decode_sample(key, shard, files, spec)
+                    sample = decode_sample(key, shard, record.files or {}, spec)
                 except BadSample as e:
                     bad(shard, key, e.kind, e.detail)
                     continue
@@ -58,5 +53,5 @@ def check_shards(path: str, spec: SampleSpec) -> dict[str, Any]:
                 report["tokens"] += len(sample)
         except Exception as e:  # noqa: BLE001 - any tar failure is reported per shard
             bad(shard, None, "unreadable_shard", f"{type(e).__name__}: {e}")
-    assert set(report["bad"]) <= set(BAD_SAMPLE_KINDS)
+    assert set(report["bad"]) <= set(DIRECT_TOKEN_BAD_KINDS)
     return report

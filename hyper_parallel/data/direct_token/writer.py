@@ -9,7 +9,9 @@ from typing import Any
 import numpy as np
 import webdataset as wds
 
-from hyper_parallel.data.sample import BadSample, SampleSpec, encode_files, make_sample
+from hyper_parallel.data.bad_samples import BadSample
+from hyper_parallel.data.direct_token.sample import SampleSpec, direct_token_index_spec, encode_files, make_sample
+from hyper_parallel.data.index import build_index, sidecar_path, write_index
 
 __all__ = ["DirectTokenWriter", "write_shards"]
 
@@ -22,6 +24,8 @@ class DirectTokenWriter:
     Every sample is validated before it is written (placeholder/code count, grids, emptiness; token
     and code ranges when ``lang_vocab_size`` / ``codebook_size`` are given); ``validate=False``
     writes anything (for tests that need malformed shards). ``shards`` lists the files written.
+    Each finished shard gets its index side file ``<shard>.idx.npz`` (record offsets, lengths and
+    statistics: what a loader needs to plan without reading), unless ``write_index=False``.
     """
 
     def __init__(
@@ -34,6 +38,7 @@ class DirectTokenWriter:
         lang_vocab_size: int | None = None,
         codebook_size: int | None = None,
         validate: bool = True,
+        write_index: bool = True,
     ) -> None:
         if samples_per_shard < 1:
             raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
@@ -44,7 +49,7 @@ class DirectTokenWriter:
             placeholder_token_id=placeholder_token_id,
             max_tokens=_UNBOUNDED,
         )
-        self.validate = validate
+        self.validate, self.write_index = validate, write_index
         self.shards: list[str] = []
         self.num_samples = 0
         self._tar: wds.TarWriter | None = None
@@ -91,6 +96,10 @@ class DirectTokenWriter:
         if self._tar is not None:
             self._tar.close()
             self._tar = None
+            if self.write_index:
+                shard = self.shards[-1]
+                spec = direct_token_index_spec(self.spec.placeholder_token_id)
+                write_index(build_index(shard, spec), sidecar_path(shard), shard_size=os.path.getsize(shard), spec=spec)
 
     def close(self) -> list[str]:
         """Finish the last shard; returns the shard paths."""

@@ -16,6 +16,21 @@ from hyper_parallel.models.common.mla import MLAttention
 from hyper_parallel.models.common.moe import GroupedExperts, MoE, Router
 from hyper_parallel.models.common.rmsnorm import RMSNorm
 from hyper_parallel.models.common.rope import RoPE, RoPECosSin
+from hyper_parallel.models.common.sharding import (
+    colwise_config,
+    embedding_config,
+    lm_head_config,
+    norm_config,
+    region_config,
+    rowwise_config,
+    set_decoder_sharding_config,
+    set_dense_ffn_sharding,
+    set_gqa_attention_sharding,
+    set_mla_attention_sharding,
+    set_moe_sharding,
+    set_qkv_linear_sharding,
+    without_sharding,
+)
 from hyper_parallel.models.common.token_dispatcher import LocalTokenDispatcher
 
 __all__ = [
@@ -35,4 +50,17 @@ __all__ = [
     "Router",
     "TransformerBlock",
     "VarlenAttention",
+    "colwise_config",
+    "embedding_config",
+    "lm_head_config",
+    "norm_config",
+    "region_config",
+    "rowwise_config",
+    "set_decoder_sharding_config",
+    "set_dense_ffn_sharding",
+    "set_gqa_attention_sharding",
+    "set_mla_attention_sharding",
+    "set_moe_sharding",
+    "set_qkv_linear_sharding",
+    "without_sharding",
 ]

@@ -8,20 +8,36 @@ from ``dqk``) -> out ``[B, T, H, dv]`` (token-major, ready for ``reshape(B, T, -
 
 Packing: ``AttentionMeta.cu_seqlens`` (int32 ``[D+1]``) are document boundaries over the FLATTENED ``B*T``
 token stream; every row boundary must also be a document boundary (documents never cross rows).
-Attention is causal inside each document and zero across documents.
+Attention is causal inside each document and zero across documents. ``AttentionMeta.cu_seqlens_host``
+holds the same boundaries as Python ints (the collate computes them on the host), so no layer has to
+copy ``cu_seqlens`` back from the device; without them the first layer does it once per forward.
 
-Backends:
-- ``flash``: ``flash_attn_varlen_func`` (import guarded; never required). CUDA, fp16/bf16 only.
-- ``sdpa``: ``F.scaled_dot_product_attention``. Packed rows run one causal SDPA call per document rather
-  than one call with a block-diagonal ``[T, T]`` mask: that costs ``sum(L_i^2)`` instead of ``T^2``, keeps
-  SDPA on its fused causal kernel, and needs no mask memory. Measured on CPU (T=4096, 8 heads, fwd+bwd):
-  2 docs 2.6 s vs 5.2 s with the mask, 8 docs 3.6 s vs 9.9 s, 32 docs 0.6 s vs 6.5 s.
-- ``auto``: flash when importable and the inputs are CUDA fp16/bf16, else sdpa.
+Kernels (``Config.backend``):
+- ``flash``: ``flash_attn_varlen_func`` / ``flash_attn_func`` from the ``flash_attn`` package (import
+  guarded; never required). CUDA, fp16/bf16.
+- ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (torch's own flash varlen kernel, a custom op).
+  CUDA, fp16/bf16. Unpacked rows go to SDPA, which picks the same flash kernel itself.
+- ``sdpa``: ``F.scaled_dot_product_attention`` on 4-D ``[1, H, L, d]`` views, one causal call per
+  document (``sum(L_i^2)`` work instead of ``T^2``, no mask memory). 4-D matters: SDPA's fused kernels
+  (flash on CPU, flash/mem-efficient on CUDA) take 4-D inputs only, anything else runs the math kernel,
+  which is 4x slower on CPU (fwd+bwd, H=4, L=2048, d=48: 0.057 s vs 0.243 s) and keeps ``[H, L, L]``
+  scores for backward. One call with a block-diagonal ``[T, T]`` mask measured 2-10x slower.
+- ``auto``: ``flash`` when importable and the inputs are CUDA fp16/bf16, else ``varlen`` when torch has
+  it and the inputs are CUDA fp16/bf16, else ``sdpa``.
+
+Determinism: under ``torch.use_deterministic_algorithms(True)`` the flash backward runs its
+deterministic variant (``flash_attn``: ``deterministic=True``; torch's varlen/SDPA flash backward read the
+same global flag themselves).
+
+torch.compile: the per-document SDPA loop runs outside the graph (``torch.compiler.disable``): its
+Python loop depends on the boundaries, which would otherwise be baked into the graph and recompile on
+every new packing. The varlen kernels are custom ops and stay in the graph.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -34,17 +50,34 @@ try:  # optional GPU kernel; the package never requires it
 except ImportError:  # pragma: no cover - depends on the environment
     flash_attn_func = flash_attn_varlen_func = None
 
+try:  # torch >= 2.10
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - depends on the torch version
+    varlen_attn = None
+
 __all__ = ["AttentionMeta", "VarlenAttention"]
+
+
+
+def _gpu_half(q: torch.Tensor) -> bool:
+    """Whether the flash kernels can take ``q``: CUDA fp16/bf16."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
 @dataclass(slots=True)
 class AttentionMeta:
-    """Per-forward attention metadata shared by every layer (built once by the decoder)."""
+    """Per-forward attention metadata shared by every layer (built once per micro-batch by the decoder)."""
 
     cu_seqlens: torch.Tensor | None = None
     """int32 ``[D+1]`` document boundaries over the flattened ``B*T`` stream; None = one causal document per row."""
     max_seqlen: int | None = None
-    """Longest document (flash needs it; derived from ``cu_seqlens`` when None)."""
+    """Longest document (the varlen kernels need it; derived from the boundaries when None)."""
+    cu_seqlens_host: Sequence[int] | None = None
+    """The same boundaries as Python ints (the batch's ``cu_seqlens_host``), so no layer syncs with the
+    device; when None they are copied from ``cu_seqlens`` once, on first use, and kept here. Only read
+    together with ``cu_seqlens`` (which says whether the batch is packed)."""
+    _checked: tuple[int, int] | None = field(default=None, repr=False, compare=False)
+    """``(B, T)`` the boundaries were last validated for (validation runs once per meta, not per layer)."""
 
     @classmethod
     def from_position_ids(cls, position_ids_BT: torch.Tensor) -> AttentionMeta:
@@ -54,7 +87,32 @@ class AttentionMeta:
         starts[:, 0] = True
         begin = starts.reshape(-1).nonzero().flatten()
         cu = torch.cat([begin, begin.new_tensor([B * T])]).to(torch.int32)
-        return cls(cu_seqlens=cu, max_seqlen=int((cu[1:] - cu[:-1]).max().item()))
+        host = cu.tolist()
+        return cls(cu_seqlens=cu, max_seqlen=max(b - a for a, b in zip(host[:-1], host[1:])), cu_seqlens_host=host)
+
+    def boundaries(self, batch: int, seqlen: int) -> list[int]:
+        """The validated host boundaries for a ``[batch, seqlen]`` input (``[0, T, 2T, ...]`` without packing)."""
+        if self.cu_seqlens is None:
+            return list(range(0, batch * seqlen + 1, seqlen))
+        if self.cu_seqlens_host is None:
+            self.cu_seqlens_host = self.cu_seqlens.tolist()  # the one device->host copy of this forward
+        cu = list(self.cu_seqlens_host)
+        if self._checked != (batch, seqlen):
+            _check_boundaries(cu, batch, seqlen)
+            if self.cu_seqlens.numel() != len(cu):
+                raise ValueError(
+                    f"cu_seqlens ({self.cu_seqlens.numel()} entries) and cu_seqlens_host ({len(cu)}) disagree: "
+                    "build both from the same boundaries"
+                )
+            self._checked = (batch, seqlen)
+        return cu
+
+    def longest(self, batch: int, seqlen: int) -> int:
+        """``max_seqlen``, or the longest document of the host boundaries when it was not given."""
+        if self.max_seqlen is not None:
+            return self.max_seqlen
+        cu = self.boundaries(batch, seqlen)
+        return max(b - a for a, b in zip(cu[:-1], cu[1:]))
 
     def position_ids(self, batch: int, seqlen: int, device: torch.device | None = None) -> torch.Tensor:
         """int64 ``[B, T]`` positions restarting at 0 for every document (``arange`` per row without packing)."""
@@ -68,11 +126,12 @@ class AttentionMeta:
         return (idx - cu[doc]).view(batch, seqlen)
 
 
-def _check_boundaries(cu: list[int], batch: int, seqlen: int) -> None:
+def _check_boundaries(cu: Sequence[int], batch: int, seqlen: int) -> None:
     n = batch * seqlen
-    if cu[0] != 0 or cu[-1] != n or any(b <= a for a, b in zip(cu[:-1], cu[1:])):
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != n or any(b <= a for a, b in zip(cu[:-1], cu[1:])):
         raise ValueError(
-            f"cu_seqlens must increase strictly from 0 to B*T={n} (B={batch}, T={seqlen}); got {cu[:4]}...{cu[-2:]}"
+            f"cu_seqlens must increase strictly from 0 to B*T={n} (B={batch}, T={seqlen}); "
+            f"got {list(cu[:4])}...{list(cu[-2:])}"
         )
     missing = sorted(set(range(0, n + 1, seqlen)) - set(cu))
     if missing:
@@ -87,19 +146,37 @@ class VarlenAttention(Module):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
-        backend: Literal["auto", "sdpa", "flash"] = "auto"
-        """Kernel: ``flash`` (flash_attn, CUDA fp16/bf16), ``sdpa`` (torch), ``auto`` (flash when usable)."""
+        backend: Literal["auto", "sdpa", "flash", "varlen"] = "auto"
+        """Kernel: `flash` (flash_attn package), `varlen` (torch.nn.attention.varlen), both CUDA fp16/bf16;
+        `sdpa` (torch SDPA, one fused call per document); `auto` (flash, else varlen, else sdpa)."""
 
-    def _use_flash(self, q: torch.Tensor) -> bool:
+    def kernel(self, q: torch.Tensor) -> Literal["flash", "varlen", "sdpa"]:
+        """The kernel ``forward`` runs for inputs like ``q`` (raises if the configured one cannot run)."""
         backend = self.config.backend
-        usable = flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-        if backend == "flash" and not usable:
+        if backend == "sdpa":
+            return "sdpa"
+        gpu_half = _gpu_half(q)
+        flash_ok = flash_attn_varlen_func is not None and gpu_half
+        varlen_ok = varlen_attn is not None and gpu_half
+        if backend == "flash" and not flash_ok:
             raise RuntimeError(
                 "VarlenAttention.Config.backend='flash' needs the flash_attn package and CUDA fp16/bf16 inputs "
                 f"(flash_attn installed: {flash_attn_varlen_func is not None}, device: {q.device}, dtype: {q.dtype}); "
+                "use backend='auto' or 'sdpa' (or 'varlen': torch's own flash kernel)"
+            )
+        if backend == "varlen" and not varlen_ok:
+            raise RuntimeError(
+                "VarlenAttention.Config.backend='varlen' needs torch.nn.attention.varlen (torch >= 2.10) and CUDA "
+                f"fp16/bf16 inputs (available: {varlen_attn is not None}, device: {q.device}, dtype: {q.dtype}); "
                 "use backend='auto' or 'sdpa'"
             )
-        return backend != "sdpa" and usable
+        if backend == "flash" or (backend == "auto" and flash_ok):
+            return "flash"
+        if backend == "varlen" or (backend == "auto" and varlen_ok):
+            return "varlen"
+        if backend != "auto":
+            raise ValueError(f"unknown VarlenAttention backend {backend!r}: use auto, sdpa, flash or varlen")
+        return "sdpa"
 
     def forward(
         self,
@@ -113,68 +190,89 @@ class VarlenAttention(Module):
         """q ``[B, H, T, dqk]``, k ``[B, Hk, T, dqk]``, v ``[B, Hk, T, dv]`` -> ``[B, T, H, dv]``."""
         if q.shape[1] % k.shape[1]:
             raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
-        meta = meta or AttentionMeta()
-        if self._use_flash(q):
-            return self._flash(q, k, v, scale, meta)
-        return self._sdpa(q, k, v, scale, meta)
+        kernel = self.kernel(q)
+        # Only `cu_seqlens` is read here: under torch.compile this frame is traced, and reading the host
+        # list would guard on its length (a recompile per document count). The kernels read it outside.
+        packed = meta is not None and meta.cu_seqlens is not None
+        if kernel != "sdpa":
+            if packed and not torch.compiler.is_compiling():
+                meta.boundaries(q.shape[0], q.shape[2])  # validated once per micro-batch, on the host
+            return _varlen_kernel(kernel, q, k, v, scale, meta if packed else None)
+        if not packed:
+            return _sdpa(q, k, v, scale)
+        return _sdpa_packed(q, k, v, scale, meta)
 
-    @staticmethod
-    def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, meta: AttentionMeta) -> torch.Tensor:
-        B, H, T, dqk = q.shape
-        gqa = k.shape[1] != H
-        dv = v.shape[-1]
-        if dv < dqk:
-            # SDPA's fused (flash) kernels need one head dim for q, k and v; with MLA's smaller v they
-            # fall back to the math kernel (3-4x slower on CPU, T x T scores in memory). Zero-padding v
-            # and dropping the padded output channels is exact.
-            out = VarlenAttention._sdpa(q, k, F.pad(v, (0, dqk - dv)), scale, meta)
-            return out[..., :dv]
-        if meta.cu_seqlens is None or meta.cu_seqlens.numel() == B + 1:
-            if meta.cu_seqlens is not None:
-                _check_boundaries(meta.cu_seqlens.tolist(), B, T)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-            return out.transpose(1, 2)
-        cu = meta.cu_seqlens.tolist()
-        _check_boundaries(cu, B, T)
 
-        # Flatten the batch into one [heads, B*T, d] stream so cu_seqlens index it directly
-        # (a view when B == 1), then one causal SDPA call per document.
-        def flat(x: torch.Tensor) -> torch.Tensor:
-            return x.transpose(0, 1).reshape(x.shape[1], B * T, x.shape[-1])
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One causal SDPA call per row: ``[B, H, T, d]`` -> ``[B, T, H, dv]``."""
+    dv, dqk = v.shape[-1], q.shape[-1]
+    if dv < dqk:
+        # SDPA's fused kernels need one head dim for q, k and v: with MLA's smaller v they fall back to
+        # the math kernel. Zero-padding v and dropping the padded output channels is exact.
+        v = F.pad(v, (0, dqk - dv))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return out.transpose(1, 2)[..., :dv]
 
-        qf, kf, vf = flat(q), flat(k), flat(v)
-        outs = [
-            F.scaled_dot_product_attention(
-                qf[:, s:e], kf[:, s:e], vf[:, s:e], is_causal=True, scale=scale, enable_gqa=gqa
-            )
-            for s, e in zip(cu[:-1], cu[1:])
-        ]
-        out = torch.cat(outs, dim=1)  # [H, B*T, dv]
-        return out.view(H, B, T, -1).permute(1, 2, 0, 3)
 
-    @staticmethod
-    def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, meta: AttentionMeta) -> torch.Tensor:
-        B, H, T, dqk = q.shape
-        dv = v.shape[-1]
-        if dv < dqk:  # flash_attn wants one head dim for q, k and v: pad v, drop the padding after
-            v = F.pad(v, (0, dqk - dv))
-        elif dv > dqk:
-            raise ValueError(f"flash backend needs v head dim ({dv}) <= qk head dim ({dqk}); use backend='sdpa'")
+@torch.compiler.disable
+def _sdpa_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, meta: AttentionMeta) -> torch.Tensor:
+    """One causal SDPA call per document on 4-D ``[1, H, L, d]`` views (the fused kernels' layout)."""
+    B, H, T, dqk = q.shape
+    cu = meta.boundaries(B, T)
+    if len(cu) == B + 1:  # one document per row: plain batched causal attention
+        # contiguous like the concatenation below: under torch.compile the code after this call is
+        # specialised on the output's strides, so both branches return the same layout
+        return _sdpa(q, k, v, scale).contiguous()
+    dv = v.shape[-1]
+    if dv < dqk:  # pad once for all documents (see _sdpa)
+        v = F.pad(v, (0, dqk - dv))
+    gqa = k.shape[1] != H
+    outs = []
+    for s, e in zip(cu[:-1], cu[1:]):
+        b, lo = divmod(s, T)
+        hi = e - b * T  # a document never crosses a row (checked), so [lo, hi) lies in row b
+        out = F.scaled_dot_product_attention(
+            q[b : b + 1, :, lo:hi], k[b : b + 1, :, lo:hi], v[b : b + 1, :, lo:hi],
+            is_causal=True, scale=scale, enable_gqa=gqa,
+        )  # fmt: skip
+        outs.append(out.transpose(1, 2))  # [1, L, H, d]
+    # Token-major concatenation [1, B*T, H, d] -> [B, T, H, d] (rows are consecutive in the stream): the
+    # one copy, which the caller's reshape(B, T, H * dv) would have made anyway.
+    out = torch.cat(outs, dim=1).view(B, T, H, dqk)
+    return out if dv == dqk else out[..., :dv].contiguous()
+
+
+def _varlen_kernel(
+    kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, meta: AttentionMeta | None
+) -> torch.Tensor:
+    """``flash_attn`` or torch ``varlen_attn`` over the flattened ``[B*T, heads, d]`` stream."""
+    if kernel == "varlen" and meta is None:
+        # unpacked rows: SDPA runs torch's own flash kernel on 4-D CUDA fp16/bf16 inputs (and its backward
+        # reads the deterministic flag itself)
+        return _sdpa(q, k, v, scale)
+    B, H, T, dqk = q.shape
+    dv = v.shape[-1]
+    if dv < dqk:  # the flash kernels want one head dim for q, k and v: pad v, drop the padding after
+        v = F.pad(v, (0, dqk - dv))
+    elif dv > dqk:
+        raise ValueError(f"{kernel} backend needs v head dim ({dv}) <= qk head dim ({dqk}); use backend='sdpa'")
+    # flash_attn's backward is non-deterministic (atomic adds) unless asked; torch's varlen backward
+    # reads torch.are_deterministic_algorithms_enabled() itself
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if meta is None:
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [B, T, heads, d]
-        if meta.cu_seqlens is None:
-            out = flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
-            return out[..., :dv]
-        cu = meta.cu_seqlens.to(device=q.device, dtype=torch.int32)
-        max_seqlen = meta.max_seqlen if meta.max_seqlen is not None else int((cu[1:] - cu[:-1]).max().item())
+        out = flash_attn_func(q, k, v, softmax_scale=scale, causal=True, deterministic=deterministic)
+        return out[..., :dv]
+    cu = meta.cu_seqlens.to(device=q.device, dtype=torch.int32)
+    max_seqlen = meta.longest(B, T)
+    q, k, v = (x.transpose(1, 2).reshape(B * T, x.shape[1], dqk) for x in (q, k, v))
+    if kernel == "flash":
         out = flash_attn_varlen_func(
-            q.reshape(B * T, H, dqk),
-            k.reshape(B * T, k.shape[2], dqk),
-            v.reshape(B * T, v.shape[2], dqk),
-            cu_seqlens_q=cu,
-            cu_seqlens_k=cu,
-            max_seqlen_q=max_seqlen,
-            max_seqlen_k=max_seqlen,
-            softmax_scale=scale,
-            causal=True,
+            q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+            softmax_scale=scale, causal=True, deterministic=deterministic,
+        )  # fmt: skip
+    else:
+        out = varlen_attn(
+            q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), enable_gqa=k.shape[1] != H
         )
-        return out.view(B, T, H, dqk)[..., :dv]
+    return out.view(B, T, H, dqk)[..., :dv]

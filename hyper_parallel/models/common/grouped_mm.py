@@ -13,22 +13,25 @@ Two implementations, the same math:
   for the counts. Autograd of ``split``/``unbind`` concatenates/stacks the gradients once (slicing
   ``x[a:b]`` instead would allocate a full-size zero gradient per expert).
 
-``"auto"`` picks ``grouped_mm`` whenever it can run and ``loop`` otherwise. Forward+backward of the
+``"auto"`` picks ``grouped_mm`` whenever it can run and ``loop`` otherwise, with a warning (once per
+reason) naming why: fp32 on CUDA, for one, silently cost a per-expert loop before. Forward+backward of the
 expert MLP on CPU (2 cores, S=8192 slots, D=256, F=128, E=16, balanced / skewed loads) measured within
 noise of each other: fp32 38/45 ms (grouped_mm) vs 41/42 ms (loop); bf16 25/36 vs 26/28 ms. Slicing
 ``x[a:b]`` per expert took 66 ms (fp32), a padded ``bmm`` 50 ms balanced and 486 ms skewed, so neither
 is offered. ``grouped_mm`` wins the tie: no host sync, and it traces into one torch.compile graph.
-Under torch.compile the kernel's fake-tensor rule accepts bf16 only, so fp32 compiles the loop.
+Under torch.compile the kernel's fake-tensor rule accepts bf16 only, so fp32 runs the loop, outside the
+graph (``torch.compiler.disable``).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["GroupedMMImpl", "can_use_grouped_mm", "grouped_linear"]
+__all__ = ["GroupedMMImpl", "can_use_grouped_mm", "grouped_linear", "grouped_mm_blocker"]
 
 GroupedMMImpl = Literal["auto", "grouped_mm", "loop"]
 
@@ -36,24 +39,57 @@ _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 _ALIGN_BYTES = 16
 
 
-def can_use_grouped_mm(x_SI: torch.Tensor, w_EOI: torch.Tensor) -> bool:
-    """Whether the ``grouped_mm`` kernel accepts these operands (dtype, device and 16-byte alignment)."""
-    if _grouped_mm is None or x_SI.dtype != w_EOI.dtype or x_SI.device != w_EOI.device:
-        return False
-    allowed = {torch.bfloat16} if x_SI.device.type == "cuda" else {torch.float32, torch.bfloat16, torch.float16}
+def grouped_mm_blocker(x_SI: torch.Tensor, w_EOI: torch.Tensor) -> str | None:
+    """Why the ``grouped_mm`` kernel cannot take these operands (dtype, device, 16-byte alignment), or None."""
+    if _grouped_mm is None:
+        return "this torch has no grouped_mm kernel"
+    if x_SI.dtype != w_EOI.dtype or x_SI.device != w_EOI.device:
+        return f"tokens are {x_SI.dtype} on {x_SI.device} but the weights {w_EOI.dtype} on {w_EOI.device}"
+    device = x_SI.device.type
+    if device not in ("cpu", "cuda"):
+        return f"grouped_mm has no {device} kernel"
     if torch.compiler.is_compiling():
-        allowed = {torch.bfloat16}  # the kernel's meta (fake-tensor) function accepts bf16 only
-    if x_SI.dtype not in allowed or x_SI.device.type not in ("cpu", "cuda"):
-        return False
+        allowed, where = {torch.bfloat16}, "under torch.compile (its fake-tensor rule)"
+    elif device == "cuda":
+        allowed, where = {torch.bfloat16}, "on CUDA"
+    else:
+        allowed, where = {torch.float32, torch.bfloat16, torch.float16}, "on CPU"
+    if x_SI.dtype not in allowed:
+        names = "/".join(sorted(str(d).removeprefix("torch.") for d in allowed))
+        return f"grouped_mm takes {names} only {where}, not {str(x_SI.dtype).removeprefix('torch.')}"
     size = x_SI.element_size()
     # Every non-unit stride of x [S, I] (made contiguous first), of w^T [E, I, O] and of the output
     # [S, O], and both base addresses, must be multiples of 16 bytes.
     strides = (x_SI.shape[-1], w_EOI.shape[1], w_EOI.stride(0), w_EOI.stride(1))
     if w_EOI.stride(-1) != 1 or any((s * size) % _ALIGN_BYTES for s in strides):
-        return False
+        return f"feature dims {x_SI.shape[-1]} -> {w_EOI.shape[1]} are not 16-byte aligned ({size}-byte elements)"
     if torch.compiler.is_compiling():
-        return True  # fake tensors have no address; allocator memory is aligned
-    return w_EOI.data_ptr() % _ALIGN_BYTES == 0 and (not x_SI.is_contiguous() or x_SI.data_ptr() % _ALIGN_BYTES == 0)
+        return None  # fake tensors have no address; allocator memory is aligned
+    if w_EOI.data_ptr() % _ALIGN_BYTES or (x_SI.is_contiguous() and x_SI.data_ptr() % _ALIGN_BYTES):
+        return "an operand's base address is not 16-byte aligned"
+    return None
+
+
+def can_use_grouped_mm(x_SI: torch.Tensor, w_EOI: torch.Tensor) -> bool:
+    """Whether the ``grouped_mm`` kernel accepts these operands (dtype, device and 16-byte alignment)."""
+    return grouped_mm_blocker(x_SI, w_EOI) is None
+
+
+_warned: set[str] = set()
+
+
+def _warn_loop_once(reason: str) -> None:
+    """Say once per reason that ``auto`` fell back to the per-expert loop: on a GPU it is far slower."""
+    if reason in _warned:
+        return
+    _warned.add(reason)
+    warnings.warn(
+        f"grouped_linear: {reason}, so the MoE experts run a per-expert loop (one matmul per expert and a "
+        "device->host sync per call; on a GPU much slower than the grouped kernel). Compute in bfloat16 "
+        "(--training.mixed_precision_param bfloat16) to use the kernel, or set the experts' "
+        "grouped_mm_impl='loop' to choose the loop and silence this.",
+        stacklevel=3,
+    )
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -74,7 +110,14 @@ def _grouped_mm_linear(x_SI: torch.Tensor, w_EOI: torch.Tensor, num_tokens_per_e
     return _ContiguousGrad.apply(y_SO)
 
 
-def _loop_linear(x_SI: torch.Tensor, w_EOI: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+# Outside the graph under torch.compile: traced, its host sync would break the graph and put every
+# expert's token count into the guards of the code after it (a recompile whenever the routing changes).
+@torch.compiler.disable
+def _loop_linear(
+    x_SI: torch.Tensor, w_EOI: torch.Tensor, num_tokens_per_expert_E: torch.Tensor, fallback_reason: str | None = None
+) -> torch.Tensor:
+    if fallback_reason is not None:
+        _warn_loop_once(fallback_reason)
     counts = num_tokens_per_expert_E.tolist()  # the one host sync of this path
     return torch.cat([x_e @ w_e.T for x_e, w_e in zip(x_SI.split(counts), w_EOI.unbind(0))])
 
@@ -96,13 +139,17 @@ def grouped_linear(
             f"grouped_linear: {num_tokens_per_expert_E.numel()} token counts for {w_EOI.shape[0]} experts"
         )
     if impl == "auto":
-        impl = "grouped_mm" if can_use_grouped_mm(x_SI, w_EOI) else "loop"
+        blocker = grouped_mm_blocker(x_SI, w_EOI)
+        if blocker is None:
+            return _grouped_mm_linear(x_SI, w_EOI, num_tokens_per_expert_E)
+        return _loop_linear(x_SI, w_EOI, num_tokens_per_expert_E, fallback_reason=blocker)
     if impl == "grouped_mm":
-        if not can_use_grouped_mm(x_SI, w_EOI):
+        blocker = grouped_mm_blocker(x_SI, w_EOI)
+        if blocker is not None:
             raise ValueError(
-                f"grouped_mm cannot run on {x_SI.dtype} {x_SI.device.type} x {tuple(x_SI.shape)} / "
-                f"w {tuple(w_EOI.shape)} (needs fp32/bf16/fp16 on CPU or bf16 on CUDA and 16-byte aligned "
-                "feature dims): set the experts' `grouped_mm_impl` to 'auto' or 'loop'"
+                f"grouped_mm cannot run on x {tuple(x_SI.shape)} / w {tuple(w_EOI.shape)}: {blocker} (it needs "
+                "fp32/bf16/fp16 on CPU or bf16 on CUDA and 16-byte aligned feature dims); set the experts' "
+                "`grouped_mm_impl` to 'auto' or 'loop'"
             )
         return _grouped_mm_linear(x_SI, w_EOI, num_tokens_per_expert_E)
     if impl == "loop":

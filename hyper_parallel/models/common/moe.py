@@ -7,6 +7,10 @@ Numerics follow HF Glm4MoeLite (``Glm4MoeLiteMoE``): fp32 router; sigmoid scores
 bias only steers the selection; group-limited top-k; weights are the un-biased scores, optionally
 normalised, times ``route_scale``; the K expert outputs are summed in fp32; the shared expert is
 added unweighted on the same input.
+
+Qwen3.5-MoE (``Qwen3_5MoeSparseMoeBlock``) is the same block with ``score_func="softmax"`` (top-k of the
+probabilities, always renormalised), no correction bias, and a shared expert scaled by
+``sigmoid(shared_expert_gate(x))``. ``router_aux_loss_coef > 0`` adds the Switch load-balancing loss.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ from torch.distributed.tensor import DTensor
 
 from hyper_parallel.models.common.feed_forward import FeedForward
 from hyper_parallel.models.common.grouped_mm import GroupedMMImpl, grouped_linear
+from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.token_dispatcher import LocalTokenDispatcher, count_tokens_per_expert
 from hyper_parallel.protocols.module import Module
 from hyper_parallel.protocols.param_init import NormalInit, ParamInit
 
-__all__ = ["GroupedExperts", "MoE", "Router"]
+__all__ = ["GroupedExperts", "MoE", "Router", "load_balancing_loss"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -80,6 +85,11 @@ class Router(Module):
             self.e_score_correction_bias = None
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        topk_idx_TK, topk_w_TK, _ = self.route(x_TD)
+        return topk_idx_TK, topk_w_TK
+
+    def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(topk_idx_TK, topk_w_TK, scores_TE)``: the choice, its fp32 weights and every expert's fp32 score."""
         cfg = self.config
         logits_TE = F.linear(x_TD.float(), self.weight.float())
         scores_TE = logits_TE.sigmoid() if cfg.score_func == "sigmoid" else logits_TE.softmax(dim=-1)
@@ -93,7 +103,7 @@ class Router(Module):
         topk_w_TK = scores_TE.gather(1, topk_idx_TK)
         if cfg.norm_topk_prob:
             topk_w_TK = topk_w_TK / (topk_w_TK.sum(dim=-1, keepdim=True) + 1e-20)
-        return topk_idx_TK, topk_w_TK * cfg.route_scale
+        return topk_idx_TK, topk_w_TK * cfg.route_scale, scores_TE
 
     def _mask_groups(self, choice_TE: torch.Tensor) -> torch.Tensor:
         """Keep the ``topk_group`` best groups of each token; other experts get -inf (as HF)."""
@@ -161,6 +171,19 @@ def _validate_router(config: Router.Config, num_experts: int) -> None:
         fail(f"score_func={config.score_func!r} must be 'sigmoid' or 'softmax'")
 
 
+def load_balancing_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor) -> torch.Tensor:
+    """Switch load-balancing loss ``E * sum_e f_e * P_e`` (HF ``load_balancing_loss_func`` for one layer).
+
+    ``f_e`` = routed slots of expert e per token (the choice, no gradient), ``P_e`` = mean routing
+    probability of e (scores normalised to sum 1 per token: the softmax itself for a softmax router).
+    A perfectly balanced router scores ``top_k``.
+    """
+    num_tokens, num_experts = scores_TE.shape
+    probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+    f_E = count_tokens_per_expert(topk_idx_TK, num_experts).to(probs_TE.dtype) / num_tokens
+    return num_experts * (f_E * probs_TE.mean(dim=0)).sum()
+
+
 class GroupedExperts(Module):
     """E SwiGLU experts, ``gate_up_proj [E, 2F, D]`` (rows ``[gate F | up F]``) and ``down_proj [E, D, F]``.
 
@@ -198,12 +221,15 @@ class GroupedExperts(Module):
 
 
 class MoE(Module):
-    """Routed experts plus optional shared experts: ``out = sum_k w_k * expert_k(x) + shared(x)``.
+    """Routed experts plus optional shared experts: ``out = sum_k w_k * expert_k(x) + s(x) * shared(x)``.
 
+    ``s(x) = sigmoid(shared_expert_gate(x))`` when the gate is configured (Qwen3.5), else 1 (GLM).
     Children: ``gate`` (Router), ``experts`` (GroupedExperts), ``shared_experts`` (FeedForward or None),
-    and ``dispatcher`` (a plain object; expert-parallel code replaces it). The non-persistent int64
-    buffer ``tokens_per_expert [E]`` accumulates the routed counts of every forward, for load metrics
-    and ``update_bias_correction``; read it with ``pop_tokens_per_expert``.
+    ``shared_expert_gate`` (Linear ``[1, D]`` or None), and ``dispatcher`` (a plain object;
+    expert-parallel code replaces it). The non-persistent int64 buffer ``tokens_per_expert [E]``
+    accumulates the routed counts of every forward, for load metrics and ``update_bias_correction``;
+    read it with ``pop_tokens_per_expert``. With ``router_aux_loss_coef > 0`` every forward stores
+    ``coef * load_balancing_loss`` in ``aux_loss`` (a 0-dim fp32 tensor; the block pops it).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -215,8 +241,14 @@ class MoE(Module):
         experts: GroupedExperts.Config
         """Routed experts (HF ``mlp.experts``)."""
         shared_experts: FeedForward.Config | None = None
-        """Always-on expert added unweighted (HF ``mlp.shared_experts``, hidden ``moe_intermediate_size *
-        n_shared_experts``); None for none."""
+        """Always-on expert (HF Glm ``mlp.shared_experts``, hidden ``moe_intermediate_size * n_shared_experts``;
+        Qwen3.5 ``mlp.shared_expert``); None for none."""
+        shared_expert_gate: Linear.Config | None = None
+        """Scalar gate ``[1, D]`` of the shared expert, applied as ``sigmoid`` (HF Qwen3.5
+        ``mlp.shared_expert_gate``); None adds the shared expert unweighted."""
+        router_aux_loss_coef: float = 0.0
+        """Weight of the Switch load-balancing loss stored in ``aux_loss`` each forward (HF
+        ``router_aux_loss_coef``, used when ``output_router_logits``); 0 computes none."""
 
     def __init__(self, config: Config, *, dim: int) -> None:
         super().__init__(config)
@@ -224,18 +256,30 @@ class MoE(Module):
         self.gate = config.gate.build(dim=dim, num_experts=num_experts)
         self.experts = config.experts.build(dim=dim, num_experts=num_experts)
         self.shared_experts = config.shared_experts.build(dim=dim) if config.shared_experts is not None else None
+        if config.shared_expert_gate is not None:
+            if config.shared_experts is None:
+                raise ValueError("MoE.Config.shared_expert_gate needs shared_experts (set both or neither)")
+            self.shared_expert_gate = config.shared_expert_gate.build(in_features=dim, out_features=1)
+        else:
+            self.shared_expert_gate = None
+        self.aux_loss: torch.Tensor | None = None
         self.dispatcher = LocalTokenDispatcher(num_experts)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_TD = x.reshape(-1, x.shape[-1])
-        topk_idx_TK, topk_w_TK = self.gate(x_TD)
+        topk_idx_TK, topk_w_TK, scores_TE = self.gate.route(x_TD)
+        if self.config.router_aux_loss_coef > 0:
+            self.aux_loss = self.config.router_aux_loss_coef * load_balancing_loss(scores_TE, topk_idx_TK)
         self._record_load(topk_idx_TK)
         x_SD, num_tokens_per_expert_E, state = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_w_TK)
         y_SD = self.experts(x_SD, num_tokens_per_expert_E)
         out_TD = self.dispatcher.combine(y_SD, state)
         if self.shared_experts is not None:
-            out_TD = out_TD + self.shared_experts(x_TD)
+            shared_TD = self.shared_experts(x_TD)
+            if self.shared_expert_gate is not None:
+                shared_TD = shared_TD * torch.sigmoid(self.shared_expert_gate(x_TD))
+            out_TD = out_TD + shared_TD
         return out_TD.view(x.shape)
 
     @torch.no_grad()

@@ -12,6 +12,12 @@ Layouts (the ``layout`` field; it must match the checkpoint):
 
 Tensor layout: q/k are ``[B, H, T, d]``; cos/sin are ``[B, T, rotary_dim]``. Only the first ``rotary_dim``
 (``= int(head_dim * partial_rotary_factor)``) channels rotate; the rest pass through.
+
+Interleaved M-RoPE (Qwen3-VL / Qwen3.5, the ``mrope_section`` field): ``position_ids`` may be ``[3, B, T]``
+(rows t, h, w). Frequency slot ``j`` of ``rotary_dim / 2`` takes its position from row h when
+``j % 3 == 1 and j < 3 * section[1]``, from row w when ``j % 3 == 2 and j < 3 * section[2]``, else from
+row t (HF ``recomposition_frequencies``; always interleaved). ``[B, T]`` positions are 1-D RoPE, which
+equals M-RoPE with three equal rows (text-only input).
 """
 
 from __future__ import annotations
@@ -117,6 +123,9 @@ class RoPE(Module):
         """yarn: explicit cos/sin multiplier; None derives it from factor/mscale/mscale_all_dim as HF does."""
         truncate: bool = True
         """yarn: floor/ceil the correction range (HF default True)."""
+        mrope_section: tuple[int, int, int] | None = None
+        """Interleaved M-RoPE frequency slots of the t/h/w position rows (HF ``rope_parameters
+        ["mrope_section"]``, Qwen3.5: ``(11, 11, 10)``); None = 1-D RoPE only (``[B, T]`` positions)."""
 
     def __init__(self, config: Config, *, head_dim: int) -> None:
         super().__init__(config)
@@ -126,6 +135,12 @@ class RoPE(Module):
             raise ValueError(
                 f"RoPE rotary dim int(head_dim={head_dim} * partial_rotary_factor={config.partial_rotary_factor})"
                 f" = {self.rotary_dim} must be a positive even number: change partial_rotary_factor"
+            )
+        section = config.mrope_section
+        if section is not None and (len(section) != 3 or min(section) < 0 or sum(section) != self.rotary_dim // 2):
+            raise ValueError(
+                f"RoPE.Config.mrope_section={section} must be 3 non-negative slot counts (t, h, w) summing to the "
+                f"{self.rotary_dim // 2} frequency slots of rotary dim {self.rotary_dim}"
             )
         if config.scaling == "yarn" and config.factor <= 0:
             raise ValueError(f"RoPE.Config.factor must be > 0 for yarn, got {config.factor}")
@@ -179,10 +194,28 @@ class RoPE(Module):
         super().init_own_weights()
         self.inv_freq.copy_(self._compute_inv_freq())
 
-    def cos_sin(self, position_ids_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``[B, T, rotary_dim]``: computed in fp32, multiplied by the attention factor, cast."""
-        inv_freq = self.inv_freq.to(device=position_ids_BT.device, dtype=torch.float)
-        freqs = position_ids_BT[..., None].float() * inv_freq
+    def _mrope_rows(self, device: torch.device) -> torch.Tensor:
+        """int64 ``[rotary_dim / 2]``: the position row (0 t, 1 h, 2 w) of every frequency slot."""
+        _, s_h, s_w = self.config.mrope_section
+        j = torch.arange(self.rotary_dim // 2, device=device)
+        rows = torch.zeros_like(j)
+        rows[(j % 3 == 1) & (j < 3 * s_h)] = 1
+        rows[(j % 3 == 2) & (j < 3 * s_w)] = 2
+        return rows
+
+    def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[B, T, rotary_dim]`` from ``[B, T]`` (or M-RoPE ``[3, B, T]``) positions: computed in
+        fp32, multiplied by the attention factor, cast."""
+        inv_freq = self.inv_freq.to(device=position_ids.device, dtype=torch.float)
+        freqs = position_ids[..., None].float() * inv_freq
+        if position_ids.dim() == 3:
+            if self.config.mrope_section is None or position_ids.shape[0] != 3:
+                raise ValueError(
+                    f"position_ids of shape {list(position_ids.shape)}: [3, B, T] M-RoPE positions need "
+                    "RoPE.Config.mrope_section; otherwise pass [B, T] positions"
+                )
+            rows = self._mrope_rows(freqs.device).expand(*freqs.shape[1:])
+            freqs = freqs.gather(0, rows.unsqueeze(0))[0]
         emb = torch.cat((freqs, freqs), dim=-1)
         factor = self.cos_sin_factor()
         return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
@@ -193,14 +226,14 @@ class RoPE(Module):
         """Rotate q ``[B, H, T, d]`` and k ``[B, Hk, T, d]`` with this RoPE's layout."""
         return apply_rotary_emb(q, k, cos, sin, layout=self.config.layout)
 
-    def forward(self, position_ids_BT: torch.Tensor, dtype: torch.dtype) -> RoPECosSin:
-        """The tables every attention layer of one forward shares."""
-        cos, sin = self.cos_sin(position_ids_BT, dtype)
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> RoPECosSin:
+        """The tables of one forward from ``[B, T]`` (or M-RoPE ``[3, B, T]``) positions."""
+        cos, sin = self.cos_sin(position_ids, dtype)
         return RoPECosSin(cos=cos, sin=sin, layout=self.config.layout, attention_scale=self.attention_scale_factor())
 
     def extra_repr(self) -> str:
         c = self.config
         return (
             f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, theta={c.theta}, layout={c.layout}, "
-            f"scaling={c.scaling}"
+            f"scaling={c.scaling}" + (f", mrope_section={c.mrope_section}" if c.mrope_section else "")
         )

@@ -134,3 +134,51 @@ def test_cross_entropy_global_token_mean_over_micro_batches() -> None:
     assert loss_fn(logits, torch.full_like(labels, -100), num_tokens=0).item() == 0.0
     with pytest.raises(ValueError, match="disagree"):
         loss_fn(logits, labels[:, :-1])
+
+
+def _ce_case(dtype: torch.dtype, vocab: int = 37):
+    torch.manual_seed(1)
+    logits = (torch.randn(4, 9, vocab) * 3).to(dtype)
+    labels = torch.randint(0, vocab, (4, 9))
+    labels[0, :5] = -100
+    labels[2, 3:] = -100
+    return logits, labels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1, 5, 36, 1024])
+def test_chunked_cross_entropy_equals_fp32_cross_entropy(dtype: torch.dtype, chunk: int) -> None:
+    """Loss and gradient of the chunked fp32 CE vs ``F.cross_entropy(logits.float())`` (the unchunked path)."""
+    logits, labels = _ce_case(dtype)
+    ours, ref = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    loss = CrossEntropyLoss.Config(chunk_tokens=chunk).build()(ours, labels, num_tokens=17)
+    expect = F.cross_entropy(ref.float().reshape(-1, 37), labels.reshape(-1), reduction="sum") / 17
+    loss.backward()
+    expect.backward()
+    assert loss.dtype == torch.float32 and abs(loss.item() - expect.item()) <= 1e-6
+    assert ours.grad.dtype == dtype and (ours.grad.float() - ref.grad.float()).abs().max().item() <= 1e-6
+    assert torch.equal(ours.detach(), logits)  # the saved logits are not modified (fp32 .float() is a no-op)
+    assert CrossEntropyLoss.Config(chunk_tokens=0).build()(logits, labels, num_tokens=17).item() == expect.item()
+
+
+def test_chunked_cross_entropy_never_holds_fp32_logits() -> None:
+    """No fp32 tensor as large as all the logits exists in forward or backward (bf16 logits, 36 x 37)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestFp32(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    self.numel = max(self.numel, t.numel())
+            return out
+
+    logits, labels = _ce_case(torch.bfloat16)
+    logits.requires_grad_()
+    with LargestFp32() as seen:
+        CrossEntropyLoss.Config(chunk_tokens=8).build()(logits, labels).backward()
+    assert 0 < seen.numel <= 8 * 37 < logits.numel()

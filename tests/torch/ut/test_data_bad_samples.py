@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from hyper_parallel.data import BAD_SAMPLE_KINDS, BadSampleError, DataConfig
+from hyper_parallel.data import DIRECT_TOKEN_BAD_KINDS, BadSampleError, DataConfig
 
 V, C, P = 512, 256, 511
 MAX_TOKENS = 64
@@ -96,23 +96,21 @@ def _corpus(tmp_path, case: str) -> tuple[str, str]:
     return str(d), bad
 
 
-def _loader(path: str, policy: str, workers: int = 0):
-    cfg = DataConfig(path=path, max_tokens_per_microbatch=MAX_TOKENS, shuffle_buffer=0, packing_bins=1,
-                     num_workers=workers, on_bad_sample=policy)
-    return cfg.build(lang_vocab_size=V, codebook_size=C, placeholder_token_id=P)
+def _loader(path: str, policy: str, cache: str, workers: int = 0):
+    cfg = DataConfig(path=path, cache_dir=cache, max_tokens_per_microbatch=MAX_TOKENS, shuffle_buffer=0,
+                     packing_bins=1, num_workers=workers, on_bad_sample=policy)  # fmt: skip
+    return cfg.build(model_facts=dict(vocab_size=V, codebook_size=C, placeholder_token_id=P))
 
 
 def test_cases_cover_every_kind():
-    assert set(CASES.values()) == set(BAD_SAMPLE_KINDS)
+    assert set(CASES.values()) == set(DIRECT_TOKEN_BAD_KINDS)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_error_policy_names_shard_and_key(tmp_path, case):
     path, bad = _corpus(tmp_path, case)
-    loader = _loader(path, "error")
-    with pytest.raises(BadSampleError) as e:
-        for _ in range(20):
-            loader.next_step()
+    with pytest.raises(BadSampleError) as e:  # before training: the indexes say which records are bad
+        _loader(path, "error", str(tmp_path / "cache"))
     msg = str(e.value)
     assert bad in msg and f"[{CASES[case]}]" in msg and "on_bad_sample skip" in msg
     if "tar" not in case:
@@ -122,8 +120,8 @@ def test_error_policy_names_shard_and_key(tmp_path, case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_skip_policy_drops_counts_and_logs(tmp_path, case, caplog):
     path, bad = _corpus(tmp_path, case)
-    loader = _loader(path, "skip")
     with caplog.at_level(logging.WARNING, logger="hyper_parallel.data"):
+        loader = _loader(path, "skip", str(tmp_path / "cache"))
         steps = [loader.next_step() for _ in range(12)]
     ids = np.concatenate([mb["input_ids"].view(-1).numpy() for s in steps for mb in s])
     assert MARK not in ids  # never used
@@ -134,15 +132,26 @@ def test_skip_policy_drops_counts_and_logs(tmp_path, case, caplog):
     assert set(counts) == {CASES[case]} and counts[CASES[case]] >= 1
     logged = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert logged and bad in logged[0] and f"[{CASES[case]}]" in logged[0]
+    assert loader.metrics()["bad_samples_skipped"] == sum(counts.values())
     # The count survives a resume.
-    again = _loader(path, "skip")
+    again = _loader(path, "skip", str(tmp_path / "cache"))
     again.load_state_dict(loader.state_dict())
     assert again.bad_sample_counts == counts
 
 
-def test_error_from_a_worker_process_names_shard_and_key(tmp_path):
+def test_a_shard_changed_after_indexing_is_an_error_from_the_worker(tmp_path):
+    """The index says a record is good but its bytes no longer are: an error naming shard and key, from a worker."""
     path, bad = _corpus(tmp_path, "code_out_of_range")
-    loader = _loader(path, "error", workers=1)
-    with pytest.raises(BadSampleError, match=r"key 'bad'.*code_out_of_range"):
-        loader.next_step()
+    good = os.path.join(path, "a-000000.tar")
+    _loader(path, "skip", str(tmp_path / "cache")).close()  # indexes both shards into the cache
+    data = bytearray(open(good, "rb").read())
+    at = data.index(b"\x93NUMPY", data.index(b"good003.tokens.npy"))
+    data[at : at + 6] = b"BROKEN"
+    st = os.stat(good)
+    open(good, "wb").write(bytes(data))
+    os.utime(good, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size and mtime: the index still looks current
+    loader = _loader(path, "skip", str(tmp_path / "cache"), workers=1)
+    with pytest.raises(BadSampleError, match=r"key 'good003'.*\[undecodable\].*index says otherwise"):
+        for _ in range(12):
+            loader.next_step()
     loader.close()

@@ -19,7 +19,7 @@ from hyper_parallel.data import (
     write_shards,
 )
 from hyper_parallel.data.direct_token.cli import main as cli_main
-from hyper_parallel.data.shards import ShardPlan, resolve_shards
+from hyper_parallel.data.shards import resolve_shards
 
 V, C, P = 512, 256, 511
 
@@ -82,24 +82,12 @@ def test_resolve_directory_glob_and_brace(tmp_path):
     every = [str(tmp_path / f"train-{i:06d}.tar") for i in range(4)]
     assert resolve_shards(str(tmp_path)) == every
     assert resolve_shards(str(tmp_path / "train-*.tar")) == every
+    assert resolve_shards(str(tmp_path / "train-*")) == every  # index side files are never shards
     assert resolve_shards(str(tmp_path / "train-{000001..000002}.tar")) == every[1:3]
     with pytest.raises(FileNotFoundError, match="do not exist"):
         resolve_shards(str(tmp_path / "train-{000003..000004}.tar"))
     with pytest.raises(FileNotFoundError, match="matches no shard"):
         resolve_shards(str(tmp_path / "nope-*.tar"))
-
-
-def test_shard_plan_epochs_cover_all_units_once():
-    plan = ShardPlan(tuple(f"s{i}" for i in range(5)), num_readers=4, seed=3)
-    assert plan.parts_per_shard == 1
-    for epoch in range(3):
-        units = [u for r in range(4) for u in plan.units(epoch, r)]
-        assert sorted(units) == [(i, 0) for i in range(5)]
-    assert plan.units(0, 0) + plan.units(0, 1) != plan.units(1, 0) + plan.units(1, 1)
-    few = ShardPlan(("a", "b", "c"), num_readers=8, seed=0)
-    assert few.parts_per_shard == 3
-    assert sorted(u for r in range(8) for u in few.units(0, r)) == [(s, p) for s in range(3) for p in range(3)]
-    assert all(few.units(0, r) for r in range(8))  # every reader gets work
 
 
 def test_cli_write_and_check(tmp_path, capsys):
@@ -111,7 +99,7 @@ def test_cli_write_and_check(tmp_path, capsys):
     out = tmp_path / "shards"
     assert cli_main(["write", "--input", str(jsonl), "--output-dir", str(out), "--placeholder-token-id", str(P),
                      "--samples-per-shard", "4", "--prefix", "x"]) == 0
-    assert sorted(os.listdir(out)) == ["x-000000.tar", "x-000001.tar"]
+    assert sorted(os.listdir(out)) == ["x-000000.tar", "x-000000.tar.idx.npz", "x-000001.tar", "x-000001.tar.idx.npz"]
     back = list(read_samples(str(out / "x-{000000..000001}.tar")))
     assert [b["key"] for b in back] == [s["key"] for s in samples]
     assert all(np.array_equal(b["tokens"], s["tokens"]) for b, s in zip(back, samples))
@@ -134,6 +122,14 @@ def test_cli_write_and_check(tmp_path, capsys):
     assert rc == 1 and "too_long" in printed  # some samples exceed 8 tokens
     assert cli_main(["check", "--path", str(out), "--placeholder-token-id", str(P), "--lang-vocab-size", str(V),
                      "--codebook-size", str(C), "--max-tokens", "64"]) == 0
+
+    # `index` (re)writes the side files of shards written by other tools
+    for f in os.listdir(out):
+        if f.endswith(".idx.npz"):
+            os.remove(out / f)
+    assert cli_main(["index", "--path", str(out / "x-*.tar"), "--placeholder-token-id", str(P)]) == 0
+    assert "indexed 2 shard(s)" in capsys.readouterr().out
+    assert sorted(f for f in os.listdir(out) if f.endswith(".idx.npz")) == ["x-000000.tar.idx.npz", "x-000001.tar.idx.npz"]
 
 
 def test_toy_corpus_is_learnable_and_cached(tmp_path):

@@ -2,7 +2,7 @@
 
 import torch
 
-from hyper_parallel.data import SampleSpec, ToyCorpusSpec, collate_packed, make_sample, make_toy_samples
+from hyper_parallel.data import SampleSpec, ToyCorpusSpec, collate_direct_token, make_sample, make_toy_samples
 from hyper_parallel.models.glm_image_moe_v2.config_registry import glm_image_moe_debug
 
 
@@ -38,11 +38,11 @@ def test_packed_forward_equals_per_document_forward():
     model, cfg = _model()
     samples = _samples(cfg)
     assert sum(len(s.vq_codes) > 0 for s in samples) >= 2  # the test exercises the image path
-    packed = collate_packed(samples, placeholder_token_id=cfg.placeholder_token_id, pad_to_multiple_of=64)
+    packed = collate_direct_token(samples, pad_to_multiple_of=64)
     logits = _forward(model, packed)[0]
     offset, worst = 0, 0.0
     for s in samples:
-        alone = collate_packed([s], placeholder_token_id=cfg.placeholder_token_id)
+        alone = collate_direct_token([s])
         ref = _forward(model, alone)[0]
         worst = max(worst, (logits[offset : offset + len(s)] - ref).abs().max().item())
         offset += len(s)
@@ -57,7 +57,7 @@ def test_packed_labels_train_image_rows():
     position followed by an image token is that token's code + lang_vocab_size, never masked."""
     _, cfg = _model()
     samples = _samples(cfg)
-    batch = collate_packed(samples, placeholder_token_id=cfg.placeholder_token_id)
+    batch = collate_direct_token(samples)
     labels, ids = batch["labels"][0], batch["input_ids"][0]
     code_at = torch.full_like(ids, -1)
     code_at[batch["visual_indices"]] = batch["vq_codes"]

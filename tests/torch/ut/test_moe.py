@@ -405,3 +405,70 @@ def test_compiled_bf16_moe_is_one_graph_and_matches_eager():
     torch._dynamo.reset()
     out = torch.compile(moe, backend="aot_eager")(x)
     assert _max_diff(out, moe(x)) == 0.0
+
+
+def test_auto_fallback_to_the_loop_warns_once_per_reason(monkeypatch):
+    """fp32 on CUDA (or any dtype the kernel lacks) used to fall back to the per-expert loop silently."""
+    import types
+    import warnings
+
+    from hyper_parallel.models.common import grouped_mm as grouped_mm_module
+
+    monkeypatch.setattr(grouped_mm_module, "_warned", set())
+    # The CUDA rule, on a stand-in operand (no GPU here): the dtype is checked before anything else.
+    cuda_fp32 = types.SimpleNamespace(dtype=torch.float32, device=torch.device("cuda", 0))
+    assert grouped_mm_module.grouped_mm_blocker(cuda_fp32, cuda_fp32) == "grouped_mm takes bfloat16 only on CUDA, not float32"
+    assert grouped_mm_module.grouped_mm_blocker(_x(10, 8), _x(3, 4, 8)) is None
+
+    x_SI, w_EOI = _x(10, 8, dtype=torch.float64), _x(3, 4, 8, seed=2, dtype=torch.float64)
+    counts = torch.tensor([4, 0, 6])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # count our own once-only logic, not Python's de-duplication
+        y = grouped_linear(x_SI, w_EOI, counts)
+        grouped_linear(x_SI, w_EOI, counts)
+        grouped_linear(x_SI, w_EOI, counts, "loop")  # chosen explicitly: no warning
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "takes bfloat16/float16/float32 only on CPU, not float64" in messages[0]
+    assert "per-expert loop" in messages[0] and "grouped_mm_impl='loop'" in messages[0]
+    assert _max_diff(y, torch.cat([x_SI[:4] @ w_EOI[0].T, x_SI[4:] @ w_EOI[2].T])) == 0.0
+
+
+def test_expert_parallel_dispatch_syncs_with_the_host_once(monkeypatch):
+    """One device->host copy per dispatch (the split sizes), none in combine; same result as local dispatch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hyper_parallel.distributed.expert_parallel import AllToAllTokenDispatcher
+
+    class ScalarReads(TorchDispatchMode):  # .item() / int() / bool() of a tensor
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    created = not torch.distributed.is_initialized()
+    if created:
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        num_tokens, num_experts, top_k = 24, 4, 2
+        ep = AllToAllTokenDispatcher(num_experts, init_device_mesh("cpu", (1,)))
+        x_TD = _x(num_tokens, DIM)
+        idx_TK, w_TK = _random_routing(num_tokens, num_experts, top_k)
+        y_fn = lambda x_SD: x_SD * torch.arange(1, x_SD.shape[0] + 1, dtype=x_SD.dtype)[:, None]  # noqa: E731
+        tolist_calls = []
+        real_tolist = torch.Tensor.tolist
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda self: tolist_calls.append(1) or real_tolist(self))
+        with ScalarReads() as reads:
+            x_SD, counts_L, state = ep.dispatch(x_TD, idx_TK, w_TK)
+            out_TD = ep.combine(y_fn(x_SD), state)
+        assert len(tolist_calls) == 1 and reads.count == 0
+        local = LocalTokenDispatcher(num_experts)
+        x_ref, counts_ref, state_ref = local.dispatch(x_TD, idx_TK, w_TK)
+        assert torch.equal(x_SD, x_ref) and torch.equal(counts_L, counts_ref)
+        assert torch.equal(out_TD, local.combine(y_fn(x_ref), state_ref))
+    finally:
+        if created:
+            torch.distributed.destroy_process_group()

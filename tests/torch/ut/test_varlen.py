@@ -1,5 +1,7 @@
 """Packed documents (``cu_seqlens``): a packed row equals its documents run one by one, and equals HF's
-block-diagonal attention (restarting ``position_ids``, no mask, no cache). fp32, max abs diff <= 1e-5."""
+block-diagonal attention (restarting ``position_ids``, no mask, no cache). fp32, max abs diff <= 1e-5.
+Packed rows run SDPA's fused kernel, read the host boundaries once, and reach the flash kernels (mocked:
+only a GPU runs them) with the right arguments."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import Qwen3Config
 from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import (
     Glm4MoeLiteAttention,
@@ -18,6 +22,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3RotaryEmbedding,
 )
 
+from hyper_parallel.models.common import attention as attention_module
 from hyper_parallel.models.common.attention import AttentionMeta, VarlenAttention
 from hyper_parallel.models.common.gqa import GQAttention
 from hyper_parallel.models.common.linear import Linear
@@ -181,3 +186,151 @@ def test_varlen_one_document_per_row_equals_unpacked():
     out = attn(q, k, v, scale=0.25, meta=AttentionMeta(cu_seqlens=_cu([32, 32, 32])))
     assert out.shape == (3, 32, 4, 6)
     torch.testing.assert_close(out, attn(q, k, v, scale=0.25), atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernels: fused SDPA on packed rows, host boundaries read once, flash/varlen plumbing (mocked)
+# ---------------------------------------------------------------------------------------------------
+
+ROWS = [[5, 7, 4], [3, 13]]  # two rows of T = 16, documents never cross a row
+
+
+def _qkv(B=2, H=4, Hk=2, T=16, dqk=8, dv=6, seed=8):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(*shape, generator=gen).requires_grad_()
+        for shape in ((B, H, T, dqk), (B, Hk, T, dqk), (B, Hk, T, dv))
+    ]
+
+
+def _per_document_reference(q, k, v, rows, scale):
+    """``[B, T, H, dv]`` from one plain (math-kernel) SDPA call per document, GQA by repeating k/v heads."""
+    rep = q.shape[1] // k.shape[1]
+    out_rows = []
+    for b, row in enumerate(rows):
+        outs, s = [], 0
+        for n in row:
+            kk, vv = (x[b : b + 1, :, s : s + n].repeat_interleave(rep, dim=1) for x in (k, v))
+            with sdpa_kernel([SDPBackend.MATH]):
+                o = F.scaled_dot_product_attention(q[b : b + 1, :, s : s + n], kk, vv, is_causal=True, scale=scale)
+            outs.append(o.transpose(1, 2))
+            s += n
+        out_rows.append(torch.cat(outs, dim=1))
+    return torch.cat(out_rows)
+
+
+def test_packed_rows_run_the_fused_sdpa_kernel():
+    """Packed documents go to SDPA as 4-D views: the flash kernel accepts them (it rejects 3-D inputs)."""
+    attn = VarlenAttention.Config(backend="sdpa").build()
+    q, k, v = _qkv()
+    meta = AttentionMeta(cu_seqlens=_cu([n for row in ROWS for n in row]))
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):  # no fallback: a non-fused call raises
+        out = attn(q, k, v, scale=0.3, meta=meta)
+        out.backward(torch.ones_like(out))
+    grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    ref = _per_document_reference(q, k, v, ROWS, 0.3)
+    ref.backward(torch.ones_like(ref))
+    assert out.shape == (2, 16, 4, 6)
+    assert (out - ref).abs().max().item() <= TOL
+    assert max((g - x.grad).abs().max().item() for g, x in zip(grads, (q, k, v))) <= TOL
+
+
+def test_host_boundaries_are_read_once_per_micro_batch(monkeypatch):
+    """With the collate's host boundaries no layer reads ``cu_seqlens`` back; without them, one copy in all."""
+    attn = VarlenAttention.Config(backend="sdpa").build()
+    q, k, v = _qkv()
+    lengths = [n for row in ROWS for n in row]
+    host = _cu(lengths).tolist()
+    # The device tensor lives on `meta`: any read of its values would raise.
+    on_device = torch.empty(len(host), dtype=torch.int32, device="meta")
+    meta = AttentionMeta(cu_seqlens=on_device, max_seqlen=13, cu_seqlens_host=host)
+    out = attn(q, k, v, scale=0.3, meta=meta)
+    assert (out - attn(q, k, v, scale=0.3, meta=AttentionMeta(cu_seqlens=_cu(lengths)))).abs().max().item() == 0
+
+    calls = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: calls.append(1) or real_tolist(self))
+    meta = AttentionMeta(cu_seqlens=_cu(lengths))
+    for _ in range(4):  # four layers share one meta
+        attn(q, k, v, scale=0.3, meta=meta)
+    assert len(calls) == 1 and meta.cu_seqlens_host == host
+
+
+def test_host_boundaries_must_match_the_device_ones():
+    attn = VarlenAttention.Config(backend="sdpa").build()
+    q, k, v = _qkv()
+    meta = AttentionMeta(cu_seqlens=_cu([5, 11, 16]), cu_seqlens_host=[0, 16, 32])
+    with pytest.raises(ValueError, match="disagree"):
+        attn(q, k, v, scale=0.3, meta=meta)
+
+
+def _fake_varlen(calls, name):
+    """A stand-in for a flash varlen kernel on ``[N, heads, d]`` (per-document math SDPA), recording its arguments."""
+
+    def fake(q, k, v, *args, **kwargs):
+        calls.append((name, q, k, v, args, kwargs))
+        cu = (args[0] if args else kwargs["cu_seqlens_q"]).tolist()
+        rep = q.shape[1] // k.shape[1]
+        scale = kwargs.get("softmax_scale", kwargs.get("scale"))
+        outs = []
+        for s, e in zip(cu[:-1], cu[1:]):
+            qq, kk, vv = (x[s:e].transpose(0, 1)[None] for x in (q, k, v))
+            kk, vv = kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)
+            outs.append(F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale)[0].transpose(0, 1))
+        return torch.cat(outs)
+
+    return fake
+
+
+@pytest.mark.parametrize("backend", ["flash", "varlen"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_varlen_kernels_get_boundaries_padding_and_determinism(monkeypatch, backend, deterministic):
+    """The flash kernels (mocked; only a GPU runs them): flattened stream, device boundaries, padded v,
+    max_seqlen from the batch, causal, and the deterministic flag under torch.use_deterministic_algorithms."""
+    calls = []
+    monkeypatch.setattr(attention_module, "_gpu_half", lambda q: True)
+    monkeypatch.setattr(attention_module, "flash_attn_varlen_func", _fake_varlen(calls, "flash"))
+    monkeypatch.setattr(attention_module, "varlen_attn", _fake_varlen(calls, "varlen"))
+    attn = VarlenAttention.Config(backend=backend).build()
+    q, k, v = _qkv()
+    lengths = [n for row in ROWS for n in row]
+    meta = AttentionMeta(cu_seqlens=_cu(lengths), max_seqlen=13, cu_seqlens_host=_cu(lengths).tolist())
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        out = attn(q, k, v, scale=0.3, meta=meta)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    ref = _per_document_reference(q, k, v, ROWS, 0.3)
+    assert out.shape == ref.shape and (out - ref).abs().max().item() <= TOL
+    [(name, fq, fk, fv, args, kwargs)] = calls
+    assert name == backend
+    assert fq.shape == (32, 4, 8) and fk.shape == (32, 2, 8) and fv.shape == (32, 2, 8)  # v padded 6 -> 8
+    if backend == "flash":
+        assert kwargs["cu_seqlens_q"].dtype == torch.int32 and kwargs["max_seqlen_q"] == 13
+        assert kwargs["causal"] is True and kwargs["deterministic"] is deterministic
+    else:  # torch's kernel reads the deterministic flag itself
+        assert args[0].dtype == torch.int32 and args[2] == 13
+        assert kwargs["window_size"] == (-1, 0) and kwargs["enable_gqa"] is True
+
+
+def test_auto_prefers_flash_then_torch_varlen_then_sdpa(monkeypatch):
+    q = torch.randn(1, 2, 4, 8)
+    attn = VarlenAttention.Config(backend="auto").build()
+    assert attn.kernel(q) == "sdpa"  # CPU fp32
+    monkeypatch.setattr(attention_module, "_gpu_half", lambda q: True)
+    monkeypatch.setattr(attention_module, "flash_attn_varlen_func", None)
+    monkeypatch.setattr(attention_module, "varlen_attn", object())
+    assert attn.kernel(q) == "varlen"
+    monkeypatch.setattr(attention_module, "flash_attn_varlen_func", object())
+    assert attn.kernel(q) == "flash"
+
+
+@pytest.mark.parametrize("backend", ["flash", "varlen"])
+def test_explicit_gpu_backend_on_cpu_says_what_to_change(backend):
+    attn = VarlenAttention.Config(backend=backend).build()
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="CUDA fp16/bf16"):
+        attn(q, q, q, scale=0.3)

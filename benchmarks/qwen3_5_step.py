@@ -1,0 +1,137 @@
+"""Forward+backward time of our Qwen3.5 blocks vs HF's torch fallback, side by side in one run.
+
+1. One Gated DeltaNet layer (ours ``GatedDeltaNet`` vs HF ``Qwen3_5MoeGatedDeltaNet`` with its torch
+   ``chunk_gated_delta_rule`` / ``causal_conv1d`` fallbacks), fwd + bwd.
+2. One whole training step (fwd + bwd of a token-mean cross entropy) of a small ``qwen3_5_moe`` model vs
+   HF ``Qwen3_5MoeForCausalLM``.
+
+Same weights (ours loads HF's ``save_pretrained`` output or state dict), same batch, fp32, 2 threads.
+Prints medians (HF and ours timed alternately, so both see the same machine load) and ratios
+(HF time / our time: > 1 means we are faster).
+
+    .venv/bin/python benchmarks/qwen3_5_step.py [--seq 2048] [--iters 3] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+
+def time_pair(fn_hf, fn_ours, iters: int) -> tuple[float, float]:
+    """Median seconds of each, measured alternately (HF, ours, HF, ...) so both see the same machine load."""
+    fn_hf(), fn_ours()  # warm-up
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(iters):
+        for fn, out in ((fn_hf, times[0]), (fn_ours, times[1])):
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def bench_deltanet(args) -> tuple[float, float]:
+    from transformers import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
+
+    from hyper_parallel.models.common.gated_deltanet import GatedDeltaNet
+
+    H, Hk, Hv, D = args.hidden, args.k_heads, args.v_heads, args.head_dim
+    cfg = Qwen3_5MoeTextConfig(
+        hidden_size=H, num_hidden_layers=1, linear_num_key_heads=Hk, linear_num_value_heads=Hv,
+        linear_key_head_dim=D, linear_value_head_dim=D, layer_types=["linear_attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = Qwen3_5MoeGatedDeltaNet(cfg, 0)
+    ours = GatedDeltaNet.Config(num_k_heads=Hk, num_v_heads=Hv, head_k_dim=D, head_v_dim=D).build(dim=H)
+    ours.load_state_dict(hf.state_dict())
+    x = torch.randn(1, args.seq, H)
+    grad = torch.randn(1, args.seq, H) / args.seq
+
+    def step(module):
+        def run():
+            xi = x.clone().requires_grad_()
+            module(xi).backward(grad)
+            module.zero_grad(set_to_none=True)
+
+        return run
+
+    with torch.no_grad():
+        diff = (hf(x) - ours(x)).abs().max().item()
+    t_hf, t_ours = time_pair(step(hf), step(ours), args.iters)
+    print(
+        f"DeltaNet layer fwd+bwd  H={H} Hk={Hk} Hv={Hv} D={D} T={args.seq}: HF {t_hf * 1e3:8.1f} ms   "
+        f"ours {t_ours * 1e3:8.1f} ms   ratio {t_hf / t_ours:5.2f}x   (max |out diff| {diff:.1e})"
+    )
+    return t_hf, t_ours
+
+
+def bench_model_step(args) -> tuple[float, float]:
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    from hyper_parallel.models.qwen3_5_moe_v2 import from_pretrained
+
+    vocab = 4096
+    cfg = Qwen3_5MoeTextConfig(
+        vocab_size=vocab, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+        linear_value_head_dim=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256,
+        shared_expert_intermediate_size=256, tie_word_embeddings=False, use_cache=False,
+        rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[4, 2, 2]),
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    hf = Qwen3_5MoeForCausalLM(cfg)
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        ours = from_pretrained(d)
+    ids = torch.randint(0, vocab, (1, args.seq))
+
+    def loss(logits):
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    def hf_step():
+        loss(hf(input_ids=ids, use_cache=False).logits).backward()
+        hf.zero_grad(set_to_none=True)
+
+    def our_step():
+        loss(ours(ids)).backward()
+        ours.zero_grad(set_to_none=True)
+
+    with torch.no_grad():
+        diff = (hf(input_ids=ids, use_cache=False).logits - ours(ids)).abs().max().item()
+    t_hf, t_ours = time_pair(hf_step, our_step, args.iters)
+    n = args.seq
+    print(
+        f"qwen3_5_moe step fwd+bwd (4 layers, H=256, 16 experts top-4) T={n}: HF {t_hf * 1e3:8.1f} ms "
+        f"({n / t_hf:7.0f} tok/s)   ours {t_ours * 1e3:8.1f} ms ({n / t_ours:7.0f} tok/s)   ratio {t_hf / t_ours:5.2f}x   "
+        f"(max |logit diff| {diff:.1e})"
+    )
+    return t_hf, t_ours
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=1024, help="DeltaNet benchmark hidden size")
+    parser.add_argument("--k-heads", type=int, default=8)
+    parser.add_argument("--v-heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    print(f"fp32, {args.threads} threads, median of {args.iters}")
+    bench_deltanet(args)
+    bench_model_step(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,362 @@
+"""``HuggingFaceTextDataLoader``: the ``text`` source (plain token documents, no images).
+
+``data.path`` names either
+
+- **pre-tokenised shards**: webdataset tars with ``<key>.tokens.npy`` (int ``[L]``) per document
+  (an optional ``<key>.json`` is ignored except for messages); or
+- **raw files** (``.jsonl``/``.json``/``.parquet``/``.arrow``, files, folders or globs), read with HF
+  ``datasets`` and tokenised with ``data.tokenizer`` (:mod:`hyper_parallel.data.text`). The global
+  plan needs every document's length up front, so each file is tokenised ONCE into pre-tokenised
+  shards (with their index) under ``<data.cache_dir>/text_tokens/``, keyed by a digest of the file
+  (path, size, mtime), the tokenizer files and the record options. Ranks share the work: each
+  starts at its own file and skips files another rank already finished. Bad records found while
+  tokenising (empty, undecodable, missing column, wrong type) are kept in the cache's manifest:
+  with ``on_bad_sample=error`` the loader stops naming file and row, with ``skip`` they count from
+  the first step.
+
+An empty ``data.path`` uses the embedded toy text corpus and its tokenizer. From the shards on it is
+the shared shard machinery (:mod:`.sharded`): a layout-independent global plan, reads by offset.
+Documents longer than ``max_tokens_per_microbatch`` are bad samples (``too_long``) or, with
+``data.split_long_documents``, cut into pieces of at most that many tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import webdataset as wds
+
+from hyper_parallel.data.bad_samples import BAD_SAMPLE_KINDS, BadSample, BadSampleError
+from hyper_parallel.data.base import BaseDataLoader
+from hyper_parallel.data.index import IndexSpec, build_index, sidecar_path, write_index
+from hyper_parallel.data.npy import load_npy
+from hyper_parallel.data.packing import TokenDocument, collate_packed, shift_labels
+from hyper_parallel.data.shards import resolve_shards
+from hyper_parallel.data.sharded import ShardedDataLoader
+
+__all__ = ["TEXT_INDEX_SPEC", "HuggingFaceTextDataLoader", "TextCodec", "TextShardWriter", "tokenize_to_shards"]
+
+logger = logging.getLogger("hyper_parallel.data")
+
+TEXT_CACHE_VERSION = 1
+"""Bump when the tokenised-text cache layout changes, so stale caches are not reused."""
+
+TEXT_DOCS_PER_SHARD = 4096
+
+_MISSING, _UNDECODABLE = -1, -2
+
+
+# -- the record format ---------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class TextStats:
+    """Index statistics of a text record: its length (< 0: tokens missing or undecodable) and id range."""
+
+    columns: ClassVar[tuple[str, ...]] = ("length", "min_token", "max_token")
+
+    def __call__(self, key: str, files: Mapping[str, bytes]) -> dict[str, int]:
+        try:
+            tokens = load_npy(files, "tokens.npy").astype(np.int64)
+        except BadSample as e:
+            return {"length": _MISSING if e.kind == "missing_file" else _UNDECODABLE, "min_token": 0, "max_token": -1}
+        if not len(tokens):
+            return {"length": 0, "min_token": 0, "max_token": -1}
+        return {"length": len(tokens), "min_token": int(tokens.min()), "max_token": int(tokens.max())}
+
+
+TEXT_INDEX_SPEC = IndexSpec(kind="text/1", columns=TextStats.columns, stats=TextStats())
+"""The index of text shards (written by :class:`TextShardWriter`, else built on first use)."""
+
+TEXT_BAD_KINDS = (*BAD_SAMPLE_KINDS, "missing_column", "bad_type")
+"""Kinds of bad text records (``missing_column``/``bad_type`` come from raw files)."""
+
+
+def _where(files: Mapping[str, bytes]) -> str:
+    """`` (file 'a.jsonl', row 7)`` for a record tokenised from a raw file, else empty."""
+    try:
+        origin = json.loads(files["json"])
+        return f" (file {origin['file']!r}, row {origin['row']})"
+    except Exception:  # noqa: BLE001 - no or foreign metadata: nothing to add
+        return ""
+
+
+@dataclass(frozen=True, slots=True)
+class TextCodec:
+    """Decode + validate + collate text records (picklable: runs in DataLoader workers)."""
+
+    vocab_size: int
+    max_tokens: int
+    split_long: bool
+    label: ClassVar[str] = "text"
+
+    def decode(self, key: str, shard: str, files: Mapping[str, bytes], piece: int) -> TokenDocument:
+        try:
+            tokens = load_npy(files, "tokens.npy")
+        except BadSample as e:
+            raise BadSample(e.kind, e.detail + _where(files)) from None
+        n = len(tokens)
+        if n == 0:
+            raise BadSample("empty", "tokens.npy is empty" + _where(files))
+        if n > self.max_tokens and not self.split_long:
+            raise BadSample(
+                "too_long",
+                f"{n} tokens exceed the packing budget data.max_tokens_per_microbatch={self.max_tokens}{_where(files)} "
+                "(raise it, or set data.split_long_documents to cut long documents)",
+            )
+        tokens = tokens.astype(np.int64)
+        bad = (tokens < 0) | (tokens >= self.vocab_size)
+        if bad.any():
+            pos = int(np.flatnonzero(bad)[0])
+            raise BadSample(
+                "token_out_of_range",
+                f"token id {int(tokens[pos])} at position {pos} is outside [0, vocab_size={self.vocab_size}){_where(files)}",
+            )
+        labels = shift_labels(tokens)
+        lo, hi = piece * self.max_tokens, min(n, (piece + 1) * self.max_tokens)
+        # A piece keeps the true next token as its last label: it is still the right target.
+        return TokenDocument(key, shard, tokens[lo:hi].astype(np.int32), labels[lo:hi].astype(np.int32))
+
+    def collate(self, documents: Sequence[TokenDocument], *, pad_token_id: int, pad_to_multiple_of: int) -> dict[str, Any]:
+        return collate_packed(documents, pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
+
+
+def text_classify(stats: Mapping[str, np.ndarray], *, vocab_size: int, max_tokens: int, split_long: bool) -> np.ndarray:
+    """Kind code per record (0 good, ``1 + i`` for ``TEXT_BAD_KINDS[i]``), in :meth:`TextCodec.decode`'s order."""
+    n = stats["length"]
+    rules = [
+        (n == _MISSING, "missing_file"),
+        (n == _UNDECODABLE, "undecodable"),
+        (n == 0, "empty"),
+        ((n > max_tokens) & (not split_long), "too_long"),
+        ((stats["min_token"] < 0) | (stats["max_token"] >= vocab_size), "token_out_of_range"),
+    ]
+    return np.select([c for c, _ in rules], [1 + TEXT_BAD_KINDS.index(k) for _, k in rules], default=0).astype(np.int64)
+
+
+class TextShardWriter:
+    """Writes token documents into ``<out_dir>/<prefix>-NNNNNN.tar`` (``<key>.tokens.npy`` plus an
+    optional ``<key>.json``), each finished shard with its index side file."""
+
+    def __init__(self, out_dir: str, *, prefix: str = "text", docs_per_shard: int = TEXT_DOCS_PER_SHARD) -> None:
+        self.out_dir, self.prefix, self.docs_per_shard = out_dir, prefix, docs_per_shard
+        self.shards: list[str] = []
+        self._tar: wds.TarWriter | None = None
+        self._count = 0
+        os.makedirs(out_dir, exist_ok=True)
+
+    def write(self, key: str, tokens: np.ndarray, meta: Mapping[str, Any] | None = None) -> None:
+        if self._tar is None or self._count >= self.docs_per_shard:
+            self._close_tar()
+            path = os.path.join(self.out_dir, f"{self.prefix}-{len(self.shards):06d}.tar")
+            self._tar = wds.TarWriter(path, mtime=0)
+            self.shards.append(path)
+            self._count = 0
+        record = {"__key__": key, "tokens.npy": np.asarray(tokens, dtype=np.int32)}
+        if meta:
+            record["json"] = dict(meta)
+        self._tar.write(record)
+        self._count += 1
+
+    def _close_tar(self) -> None:
+        if self._tar is not None:
+            self._tar.close()
+            self._tar = None
+            shard = self.shards[-1]
+            index = build_index(shard, TEXT_INDEX_SPEC)
+            write_index(index, sidecar_path(shard), shard_size=os.path.getsize(shard), spec=TEXT_INDEX_SPEC)
+
+    def close(self) -> list[str]:
+        self._close_tar()
+        return self.shards
+
+    def __enter__(self) -> TextShardWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- raw files -> cached shards ------------------------------------------------------------------
+def _tokenizer_fingerprint(folder: str) -> str:
+    """Digest of the files that decide how a tokenizer folder encodes (json and jinja files)."""
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(folder)):
+        if name.endswith((".json", ".jinja")):
+            h.update(name.encode())
+            with open(os.path.join(folder, name), "rb") as f:
+                h.update(hashlib.sha256(f.read()).digest())
+    return h.hexdigest()[:16]
+
+
+@dataclass(slots=True)
+class TokenizedFile:
+    """The cached shards of one raw file, and what tokenising it rejected."""
+
+    file: str
+    shards: list[str]
+    documents: int
+    bad_counts: dict[str, int]
+    skipped: list[str]
+
+
+def tokenize_to_shards(
+    files: Sequence[str],
+    tokenizer: str,
+    record_spec: Any,
+    *,
+    cache_dir: str,
+    start: int = 0,
+) -> list[TokenizedFile]:
+    """Pre-tokenised shards of every raw file, from the cache or tokenised now (see the module doc).
+
+    Files are done in order from ``start`` (wrapping around); one another process finished
+    meanwhile is reused. Each file's shards go to a temporary folder renamed into place, so a file
+    is either fully cached or not at all.
+    """
+    from hyper_parallel.data.text import iter_text_documents
+    from hyper_parallel.data.tokenizer import HuggingFaceTokenizer
+
+    root = os.path.join(os.path.expanduser(cache_dir), "text_tokens")
+    os.makedirs(root, exist_ok=True)
+    tok_print = _tokenizer_fingerprint(os.path.expanduser(tokenizer))
+    spec_json = json.dumps(
+        {k: getattr(record_spec, k) for k in ("text_column", "chat_column", "key_column", "append_eos")}, sort_keys=True
+    )
+    loaded = None
+    out: list[TokenizedFile | None] = [None] * len(files)
+    for j in range(len(files)):
+        i = (start + j) % len(files)
+        path = files[i]
+        st = os.stat(path)
+        ident = json.dumps([TEXT_CACHE_VERSION, os.path.abspath(path), st.st_size, st.st_mtime_ns, tok_print, spec_json])
+        digest = hashlib.sha256(ident.encode()).hexdigest()[:20]
+        final = os.path.join(root, digest)
+        manifest = os.path.join(final, "manifest.json")
+        if not os.path.isfile(manifest):
+            if loaded is None:
+                loaded = HuggingFaceTokenizer.from_folder(tokenizer)
+            tmp = os.path.join(root, f".tmp-{digest}-{uuid.uuid4().hex}")
+            try:
+                counts: dict[str, int] = {}
+                skipped: list[str] = []
+                documents = 0
+                with TextShardWriter(tmp, prefix=digest) as writer:
+                    for doc in iter_text_documents(
+                        [path], loaded, record_spec, on_bad_sample="skip", bad_counts=counts, on_skip=skipped.append
+                    ):
+                        writer.write(f"{doc.row:010d}", doc.tokens, {"file": path, "row": doc.row, "key": doc.key})
+                        documents += 1
+                with open(os.path.join(tmp, "manifest.json"), "w") as f:
+                    json.dump(
+                        {"file": path, "documents": documents, "bad_counts": counts, "skipped": skipped,
+                         "shards": [os.path.basename(s) for s in writer.shards]},
+                        f,
+                    )  # fmt: skip
+                try:
+                    os.rename(tmp, final)
+                except OSError:
+                    if not os.path.isfile(manifest):  # a real failure, not "another process won"
+                        raise
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        with open(manifest) as f:
+            m = json.load(f)
+        shards = [os.path.join(final, s) for s in m["shards"]]
+        out[i] = TokenizedFile(path, shards, m["documents"], dict(m["bad_counts"]), list(m["skipped"]))
+    return [t for t in out if t is not None]
+
+
+# -- the loader ------------------------------------------------------------------------------------
+class HuggingFaceTextDataLoader(ShardedDataLoader):
+    """Text documents (pre-tokenised shards, raw files, or the toy corpus) for one DP rank.
+
+    Model fact: ``vocab_size`` (every token id and the tokenizer's ids must lie below it).
+    Micro-batches carry the generic contract only.
+    """
+
+    source: ClassVar[str] = "text"
+    bad_kinds = TEXT_BAD_KINDS
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        source: Literal["direct_token", "text", "preset_pt", "dummy"] = "text"
+        """`direct_token`: VQ image+text webdataset shards (DESIGN.md section 5); `text`: pre-tokenised shards or raw jsonl/parquet/arrow files; `preset_pt`: replay a torch.save'd list of micro-batches; `dummy`: random tokens (smoke runs, benchmarks)."""
+
+    def _prepare(self) -> None:
+        self.vocab_size = int(self.fact("vocab_size"))
+        self._check_pad_token(self.vocab_size)
+        self.tokenized_files: list[TokenizedFile] = []
+
+    def _resolve_shards(self) -> list[str]:
+        c = self.config
+        path, tokenizer = c.path, c.tokenizer
+        if path:
+            try:
+                return resolve_shards(path)
+            except FileNotFoundError:
+                pass  # not shards: raw text files
+        else:
+            from hyper_parallel.data.text import cached_toy_text
+
+            toy = cached_toy_text(c.cache_dir)
+            path, tokenizer = toy.text_file, tokenizer or toy.tokenizer_dir
+        return self._tokenize(path, tokenizer)
+
+    def _tokenize(self, path: str, tokenizer: str) -> list[str]:
+        from hyper_parallel.data.text import TextRecordSpec, resolve_text_files
+        from hyper_parallel.data.tokenizer import HuggingFaceTokenizer
+
+        c = self.config
+        files = resolve_text_files(path)
+        if not tokenizer:
+            raise ValueError(
+                f"data.path={c.path!r} names raw text files: set data.tokenizer to an HF tokenizer folder "
+                "(with tokenizer.json)"
+            )
+        vocab = HuggingFaceTokenizer.from_folder(tokenizer).vocab_size
+        if vocab > self.vocab_size:
+            raise ValueError(
+                f"data.tokenizer={tokenizer!r} produces ids up to {vocab - 1}, but the model's vocab_size is "
+                f"{self.vocab_size}: use the model's tokenizer (or a model with a larger vocabulary)"
+            )
+        spec = TextRecordSpec(text_column=c.text_column)
+        start = self.dp_rank * len(files) // self.dp_world_size
+        self.tokenized_files = tokenize_to_shards(files, tokenizer, spec, cache_dir=c.cache_dir, start=start)
+        for t in self.tokenized_files:
+            if t.skipped and c.on_bad_sample == "error":
+                raise BadSampleError(
+                    t.skipped[0] + ". Fix the data, or set --data.on_bad_sample skip to drop and count such records."
+                )
+            for kind, n in t.bad_counts.items():
+                self._startup_bad[kind] = self._startup_bad.get(kind, 0) + n
+            if self.dp_rank == 0:
+                for message in t.skipped:
+                    logger.warning("skipped %s", message)
+        shards = [s for t in self.tokenized_files for s in t.shards]
+        if not shards:
+            raise BadSampleError(f"data.path={c.path!r} holds no usable text record (skipped: {self._startup_bad})")
+        return shards
+
+    def _index_spec(self) -> IndexSpec:
+        return TEXT_INDEX_SPEC
+
+    def _classify(self, stats: Mapping[str, np.ndarray]) -> np.ndarray:
+        c = self.config
+        return text_classify(
+            stats, vocab_size=self.vocab_size, max_tokens=c.max_tokens_per_microbatch, split_long=c.split_long_documents
+        )
+
+    def _codec(self) -> TextCodec:
+        c = self.config
+        return TextCodec(self.vocab_size, c.max_tokens_per_microbatch, c.split_long_documents)
+
+    def _order(self) -> dict[str, Any]:
+        return {**super()._order(), "vocab_size": self.vocab_size}

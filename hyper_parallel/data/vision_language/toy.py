@@ -1,0 +1,167 @@
+"""The embedded toy vision-language corpus: generated pictures of coloured shapes with captions.
+
+Used when ``data.path`` is empty (the debug recipe), written once into ``data.cache_dir``.
+
+Each picture is one shape (circle, square, triangle, cross) of one colour on a background of
+another colour, ``min_size..max_size`` pixels a side (independently), saved as PNG, JPEG or WebP.
+Its caption names both colours and the shape: "a red circle on a blue background". A sample is a
+caption after its picture (``"<image>A red circle on a blue background."``), two pictures with one
+sentence about both, a chat (``user: "<image>\\nWhat is in the picture?"``, ``assistant:`` the
+caption), or (rarely) a caption without a picture. The caption words after the image are only
+predictable from the pixels, so a model that uses the vision tower learns faster than one that
+does not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from hyper_parallel.data.vision_language.sample import VisionLanguageEncoder
+from hyper_parallel.data.vision_language.writer import VisionLanguageWriter, encode_image
+
+__all__ = [
+    "ToyVisionLanguageSpec",
+    "cached_toy_vision_language",
+    "draw_shape",
+    "make_toy_samples",
+    "write_toy_vision_language",
+]
+
+TOY_VL_VERSION = 1
+"""Bump when the generator changes, so stale caches are not reused."""
+
+COLOURS = {
+    "red": (214, 39, 40),
+    "green": (44, 160, 44),
+    "blue": (31, 119, 220),
+    "yellow": (240, 220, 30),
+    "orange": (255, 127, 14),
+    "purple": (148, 73, 189),
+    "black": (20, 20, 20),
+    "white": (245, 245, 245),
+}
+SHAPES = ("circle", "square", "triangle", "cross")
+_FORMATS = ("png", "jpg", "webp")
+
+
+@dataclass(frozen=True, slots=True)
+class ToyVisionLanguageSpec:
+    """Everything that determines the toy corpus (its hash names the cache folder)."""
+
+    num_samples: int = 1024
+    samples_per_shard: int = 128
+    min_size: int = 28
+    max_size: int = 96
+    two_image_fraction: float = 0.2
+    chat_fraction: float = 0.25
+    text_only_fraction: float = 0.03
+    seed: int = 0
+
+    def digest(self) -> str:
+        d = asdict(self)
+        d["version"] = TOY_VL_VERSION
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def draw_shape(rng: np.random.Generator, min_size: int, max_size: int) -> tuple[Image.Image, str]:
+    """One picture and its description ("a red circle on a blue background")."""
+    names = list(COLOURS)
+    fg, bg = rng.choice(len(names), size=2, replace=False)
+    shape = SHAPES[int(rng.integers(len(SHAPES)))]
+    width, height = (int(v) for v in rng.integers(min_size, max_size + 1, size=2))
+    image = Image.new("RGB", (width, height), COLOURS[names[bg]])
+    draw = ImageDraw.Draw(image)
+    side = min(width, height)
+    r = float(rng.uniform(0.25, 0.45)) * side
+    cx, cy = float(rng.uniform(r, width - r)), float(rng.uniform(r, height - r))
+    colour = COLOURS[names[fg]]
+    if shape == "circle":
+        draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=colour)
+    elif shape == "square":
+        draw.rectangle((cx - r, cy - r, cx + r, cy + r), fill=colour)
+    elif shape == "triangle":
+        draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=colour)
+    else:
+        a = r / 3
+        draw.rectangle((cx - r, cy - a, cx + r, cy + a), fill=colour)
+        draw.rectangle((cx - a, cy - r, cx + a, cy + r), fill=colour)
+    return image, f"{_a(names[fg])} {shape} on {_a(names[bg])} background"
+
+
+def _a(word: str) -> str:
+    return ("an " if word[0] in "aeiou" else "a ") + word
+
+
+def make_toy_samples(spec: ToyVisionLanguageSpec) -> list[dict[str, Any]]:
+    """The corpus as ``{"key", "images": [(format, PIL image)], "text" | "messages"}`` dicts."""
+    samples = []
+    for index in range(spec.num_samples):
+        rng = np.random.default_rng([spec.seed, 0x715, index])
+        u = rng.random()
+        n = 0 if u < spec.text_only_fraction else 2 if u < spec.text_only_fraction + spec.two_image_fraction else 1
+        drawn = [draw_shape(rng, spec.min_size, spec.max_size) for _ in range(max(n, 1))]
+        images = [(_FORMATS[int(rng.integers(len(_FORMATS)))], im) for im, _ in drawn[:n]]
+        captions = [c for _, c in drawn]
+        if n == 2:
+            answer = f"The first picture shows {captions[0]}; the second shows {captions[1]}."
+            prompt = "<image>\n<image>\nDescribe the two pictures."
+        else:
+            answer = captions[0][0].upper() + captions[0][1:] + "."
+            prompt = "<image>\nWhat is in the picture?" if n else "Describe a picture."
+        sample: dict[str, Any] = {"key": f"toyvl{index:07d}", "images": images}
+        if rng.random() < spec.chat_fraction:
+            sample["messages"] = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+        else:
+            sample["text"] = "<image>" * n + answer
+        samples.append(sample)
+    return samples
+
+
+def write_toy_vision_language(
+    out_dir: str, spec: ToyVisionLanguageSpec, *, encoder: VisionLanguageEncoder | None = None
+) -> list[str]:
+    """Write the toy corpus as vision-language shards into ``out_dir``; returns the shard paths.
+
+    With an ``encoder`` (the model's tokenizer, image settings and ids) each shard gets its index."""
+    with VisionLanguageWriter(out_dir, samples_per_shard=spec.samples_per_shard, prefix="toy", encoder=encoder) as writer:
+        for s in make_toy_samples(spec):
+            images = [encode_image(im, fmt)[1] for fmt, im in s["images"]]
+            writer.write(images, text=s.get("text"), messages=s.get("messages"), key=s["key"])
+    return writer.shards
+
+
+def cached_toy_vision_language(
+    cache_dir: str = "~/.cache/hyper_parallel", spec: ToyVisionLanguageSpec | None = None
+) -> str:
+    """The folder of the toy corpus for ``spec`` under ``cache_dir``, written on first use.
+
+    Safe when several ranks call it at once: each writes into its own temporary folder and the
+    first atomic rename wins (the contents are identical). Shard indexes depend on the model's
+    tokenizer and image settings, so the loader builds them on first use under ``cache_dir``.
+    """
+    spec = spec or ToyVisionLanguageSpec()
+    root = os.path.expanduser(cache_dir)
+    final = os.path.join(root, f"toy_vision_language-{spec.digest()}")
+    if os.path.isdir(final):
+        return final
+    os.makedirs(root, exist_ok=True)
+    tmp = os.path.join(root, f".tmp-toy_vision_language-{uuid.uuid4().hex}")
+    try:
+        write_toy_vision_language(tmp, spec)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not os.path.isdir(final):  # a real failure, not "another process won"
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,0 +1,201 @@
+"""Dry run at scale: validate and size any recipe on N simulated ranks, without GPUs.
+
+    python -m hyper_parallel.dry_run --module glm_image_moe --config glm_image_moe_a3b_ep8 --world_size 32 \\
+        [--device_memory_gib 80] [--full_depth] [--no_step] \\
+        [any training override, e.g. --parallelism.tensor_parallel_degree 2]
+
+What it does, in one process on CPU:
+
+1. parses the run config like ``python -m hyper_parallel.train`` (``ConfigManager``: recipe, run file, overrides);
+2. validates the layout with the Trainer's own checks (``ParallelDims.from_config`` and the model spec's
+   layout check), so an invalid layout fails with the message a real run prints;
+3. on a fake N-rank process group, builds the model on the meta device and applies the model's real
+   parallelize path (CP, AC, TP, EP, FSDP2) as rank 0; every rank's parameter, gradient and optimizer
+   bytes then follow exactly from the DTensor shards (``layout.py``);
+4. simulates one training step of the rank with the most static memory under ``FakeTensorMode`` with
+   ``FSDPMemTracker`` for the peak memory, logging every collective by mesh axis (``step.py``);
+5. prints the per-rank table, the peak, the collectives, and whether it fits ``--device_memory_gib``
+   (naming the knob that would help when it does not).
+
+Nothing here names a model: everything comes from the registered ``ModelSpec`` and the config.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Sequence
+
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from hyper_parallel.config.manager import ConfigError, ConfigManager
+from hyper_parallel.distributed.parallel_dims import ParallelDims
+from hyper_parallel.dry_run.advice import fit_advice
+from hyper_parallel.dry_run.layout import ShardCensus, optimizer_state_layout, param_layouts, rank_memory
+from hyper_parallel.dry_run.report import CommVolume, DryRunReport, format_report
+from hyper_parallel.dry_run.simulation import SimulationMode
+from hyper_parallel.dry_run.step import (
+    LayerPlan,
+    layer_plan,
+    materialize_with_optimizer,
+    micro_batches_per_step,
+    model_config_at_depth,
+    simulate_step,
+)
+from hyper_parallel.dry_run.world import MESH_DEVICE, axis_labels, build_parallel_model, fake_world, validate_layout
+from hyper_parallel.protocols.model_spec import ModelSpec, discover_model_spec
+from hyper_parallel.trainer import Trainer
+
+__all__ = ["DEFAULT_DEVICE_MEMORY_GIB", "DryRunReport", "dry_run", "format_report", "main"]
+
+DEFAULT_DEVICE_MEMORY_GIB = 80.0
+"""H100/H200-class accelerator memory used for the fit verdict unless ``--device_memory_gib`` says otherwise."""
+
+_USAGE = """\
+python -m hyper_parallel.dry_run --module M --config R --world_size N [options] [training overrides]
+
+dry-run options:
+  --world_size N            ranks to simulate (required)
+  --device_memory_gib G     accelerator memory for the fit verdict (default 80)
+  --full_depth              simulate the step with every layer (default: scale two shallow copies per layer)
+  --no_step                 only validate and size parameters, gradients and optimizer state
+"""
+
+
+def dry_run(
+    config: Trainer.Config,
+    *,
+    world_size: int,
+    device_memory_gib: float = DEFAULT_DEVICE_MEMORY_GIB,
+    simulate: bool = True,
+    full_depth: bool = False,
+    title: str = "",
+) -> DryRunReport:
+    """Validate ``config``'s layout on ``world_size`` simulated ranks and size every rank.
+
+    Raises the Trainer's ``ConfigError`` for an invalid layout. ``simulate=False`` skips the simulated step
+    (no peak or collectives); ``full_depth`` simulates every layer instead of scaling two shallow copies.
+    """
+    spec = discover_model_spec(config.model_spec)
+    pd = ParallelDims.from_config(config.parallelism, world_size)
+    validate_layout(spec, config, pd)
+    layers = list(getattr(config.model, "layers", None) or [])
+    plan = layer_plan(layers, full=full_depth)
+    census = _static_census(spec, config, pd, plan, world_size)
+    tc, ac = config.training, config.activation_checkpoint
+    report = DryRunReport(
+        title=title or config.model_spec,
+        layout=str(pd),
+        world_size=world_size,
+        num_layers=len(layers),
+        model_numel=census.model_numel,
+        distinct_shard_numel=census.distinct_shard_numel,
+        replicated_numel=census.replicated_numel,
+        ranks=census.ranks,
+        micro_batches_per_step=micro_batches_per_step(config, pd),
+        tokens_per_micro_batch=config.data.max_tokens_per_microbatch,
+        settings=(
+            f"compute {tc.mixed_precision_param}, gradient reduce {tc.mixed_precision_reduce}, activation "
+            f"checkpointing {ac.mode}, optimizer {config.optimizer.name}"
+        ),
+        device_memory_gib=device_memory_gib,
+        notes=[
+            "micro-batches are text-only single documents; the trainer's scalar all-reduces (token count, loss, "
+            "gradient norm, expert load) are not counted"
+        ],
+    )
+    if config.compile.enable:
+        report.notes.append("torch.compile is not simulated: the step ran eagerly (compiled kernels may need less)")
+    if simulate:
+        # Simulate the rank with the most static memory (ties: the lowest), e.g. the one with the most experts.
+        rank = max(census.ranks, key=lambda m: (m.static, -m.rank)).rank
+        with fake_world(world_size, rank=rank):
+            pd.build_mesh(MESH_DEVICE)
+            labels = axis_labels(pd)
+            measured = simulate_step(spec, config, pd, plan)
+        head = plan.depths[0] - plan.period
+        if plan.scaled and (plan.num_layers - head) % plan.period:
+            report.notes.append(
+                f"the layer stack repeats every {plan.period} layers after {head}, but {plan.num_layers - head} is "
+                "not a multiple of it: the last partial period is scaled fractionally (approximate)"
+            )
+        report.simulated_rank = rank
+        report.peak = measured.peak
+        # FSDPMemTracker tracks FSDP's parameters only; parameters outside FSDP live through the whole step.
+        outside = census.ranks[rank].outside_fsdp
+        if outside and measured.fsdp_tracker:
+            report.peak["Params outside FSDP"] = float(outside)
+            report.peak["Total"] = report.peak.get("Total", 0.0) + outside
+        report.depths = plan.depths
+        report.comm = [
+            CommVolume(kind, labels.get(group, f"group {group}"), size, calls, nbytes)
+            for (kind, group, size), (calls, nbytes) in measured.comm.items()
+        ]
+    report.advice = fit_advice(report, config, pd)
+    return report
+
+
+def _static_census(
+    spec: ModelSpec, config: Trainer.Config, pd: ParallelDims, plan: LayerPlan, world_size: int
+) -> ShardCensus:
+    """Every rank's parameter, gradient and optimizer bytes, from the model parallelized (on meta) as rank 0."""
+    with fake_world(world_size, rank=0), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+        pd.build_mesh(MESH_DEVICE)
+        layouts = param_layouts(build_parallel_model(spec, config, pd))
+        # The optimizer's state layout per parameter, read after one real optimizer step on a fake copy; a deep
+        # model steps its shallow copy (layers repeat, see LayerPlan) and deeper layers take their repeat's layout.
+        model = build_parallel_model(spec, config, pd, model_config_at_depth(config, plan.depths[0]))
+        with FakeTensorMode(allow_non_fake_inputs=True), SimulationMode():
+            state = optimizer_state_layout(model, materialize_with_optimizer(model, config))
+    trainable = {p.fqn: plan.representative(p.fqn) for p in layouts if p.trainable}
+    missing = [fqn for fqn, rep in trainable.items() if rep not in state]
+    if missing:
+        raise RuntimeError(f"the optimizer kept no state for the trainable parameters {missing[:4]}")
+    return rank_memory(layouts, world_size, {fqn: state[rep] for fqn, rep in trainable.items()})
+
+
+def _pop(args: list[str], name: str, *, flag: bool = False) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == name:
+            if flag:
+                del args[i]
+                return "true"
+            if i + 1 >= len(args):
+                raise ConfigError(f"{name} needs a value")
+            value = args[i + 1]
+            del args[i : i + 2]
+            return value
+        if not flag and arg.startswith(name + "="):
+            del args[i]
+            return arg.split("=", 1)[1]
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> DryRunReport:
+    """Parse ``--world_size`` and friends plus the run config (as ``hyper_parallel.train`` does); print the report."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in args or "-h" in args:
+        print(_USAGE)
+    world_size = _pop(args, "--world_size")
+    memory = _pop(args, "--device_memory_gib")
+    full_depth = _pop(args, "--full_depth", flag=True) is not None
+    no_step = _pop(args, "--no_step", flag=True) is not None
+    manager = ConfigManager()
+    config = manager.parse_args(args)
+    if world_size is None or not world_size.isdigit() or int(world_size) < 1:
+        raise ConfigError(f"--world_size N (the number of ranks to simulate, >= 1) is required; got {world_size!r}")
+    try:
+        budget = DEFAULT_DEVICE_MEMORY_GIB if memory is None else float(memory)
+    except ValueError:
+        raise ConfigError(f"--device_memory_gib must be a number of GiB, got {memory!r}") from None
+    report = dry_run(
+        config,
+        world_size=int(world_size),
+        device_memory_gib=budget,
+        simulate=not no_step,
+        full_depth=full_depth,
+        title=f"{manager.module}.{manager.recipe}",
+    )
+    print(format_report(report))
+    return report

@@ -1,0 +1,72 @@
+"""The verdict on a layout that does not fit, naming the knobs that shrink its largest parts."""
+
+from __future__ import annotations
+
+import math
+
+from hyper_parallel.distributed.parallel_dims import ParallelDims
+from hyper_parallel.dry_run.report import GIB, DryRunReport
+from hyper_parallel.trainer import Trainer
+
+__all__ = ["fit_advice"]
+
+_P = "--parallelism."
+
+
+def _activation_knobs(config: Trainer.Config, pd: ParallelDims) -> list[str]:
+    mode = config.activation_checkpoint.mode
+    knobs = []
+    if mode != "full":
+        knobs.append(f"--activation_checkpoint.mode full (now {mode}) keeps only each layer's input for backward")
+    knobs.append(
+        f"lower --data.max_tokens_per_microbatch (now {config.data.max_tokens_per_microbatch}): activations scale "
+        f"with it; or split every sequence with {_P}context_parallel_degree (now {pd.cp}) or "
+        f"{_P}tensor_parallel_degree (now {pd.tp})"
+    )
+    return knobs
+
+
+def _static_knobs(report: DryRunReport, config: Trainer.Config, pd: ParallelDims, room: float) -> list[str]:
+    worst = max(report.ranks, key=lambda m: m.static)
+    knobs = []
+    if pd.dp_replicate > 1:
+        knobs.append(
+            f"lower {_P}data_parallel_replicate_degree (now {pd.dp_replicate}): HSDP keeps a full set of shards per "
+            "replica; FSDP over more ranks shrinks each rank's share"
+        )
+    if room > 0:
+        need = math.ceil(pd.dp_shard * worst.static / room)  # params, grads and optimizer state scale as 1/dp_shard
+        knobs.append(
+            f"{_P}data_parallel_shard_degree {need} or more (now {pd.dp_shard}; {need * pd.world_size // pd.dp_shard} "
+            "ranks in all): parameters, gradients and optimizer state shrink as 1/data_parallel_shard_degree"
+        )
+    else:
+        knobs.append("no shard degree helps while the activations alone exceed the device: shrink them first")
+    if config.optimizer.name == "adamw" and worst.optimizer >= max(worst.params, worst.grads):
+        knobs.append("--optimizer.name muon keeps one momentum buffer per matrix instead of AdamW's two moments")
+    return knobs
+
+
+def fit_advice(report: DryRunReport, config: Trainer.Config, pd: ParallelDims) -> list[str]:
+    """Headroom when the fullest rank fits; otherwise what it needs, and the knobs for its larger part first."""
+    budget = report.device_memory_gib * GIB
+    worst = max(report.ranks, key=lambda m: m.static)
+    peak = report.estimated_peak(worst)
+    total = peak if peak is not None else worst.static
+    if total <= budget:
+        return [f"headroom {(budget - total) / GIB:.2f} GiB on the fullest rank ({worst.rank})"]
+    rest = (peak - worst.static) if peak is not None else 0.0
+    lines = [
+        f"does not fit: rank {worst.rank} needs {total / GIB:.2f} GiB > {report.device_memory_gib:g} GiB "
+        f"(static {worst.static / GIB:.2f}: params {worst.params / GIB:.2f} + grads {worst.grads / GIB:.2f} + "
+        f"optimizer {worst.optimizer / GIB:.2f}; the rest of the peak (activations, gathered weights, "
+        f"temporaries) {rest / GIB:.2f})"
+    ]
+    parts = [("activations", rest, _activation_knobs(config, pd))]
+    parts.append(("static state", worst.static, _static_knobs(report, config, pd, budget - rest)))
+    parts.sort(key=lambda p: -p[1])
+    for i, (name, size, knobs) in enumerate(parts):
+        if i > 0 and size < budget / 4:
+            break  # a small part: shrinking it cannot close the gap
+        lines.append(f"{name} ({size / GIB:.2f} GiB): " + "; or ".join(knobs))
+    return lines

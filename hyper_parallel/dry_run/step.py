@@ -1,0 +1,270 @@
+"""One simulated training step of one rank: peak memory (``FSDPMemTracker``) and collectives (``CommLog``).
+
+The step mirrors ``Trainer.train_step`` on a text-only micro-batch of ``data.max_tokens_per_microbatch``
+tokens (one packed document; this rank's context-parallel chunk): gradient-sync policy per micro-batch,
+loss-parallel context, backward, optimizer step. Everything runs under ``FakeTensorMode`` on the fake
+process group (see ``simulation.py``), so a 30B model costs no memory, only dispatch time.
+
+Deep models are slow to dispatch even without data, so ``simulate_step`` may run two shallower
+copies of the model instead (``layer_plan``): the prefixes ``s + p`` and ``s + 2p`` layers, where
+``p`` is the period of the layer stack after a head of ``s`` distinct layers (GlmImageMoe: one dense
+layer, then identical MoE layers: 2 and 3 layers). Memory and communication are linear in the number
+of periods (every layer keeps its activations and shards; per-layer collectives repeat), so the
+full depth is ``value(s+p) + (L - s - p) / p * (value(s+2p) - value(s+p))``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
+
+from hyper_parallel.distributed.parallel_dims import ParallelDims
+from hyper_parallel.dry_run.layout import OptimizerStateLayout, optimizer_state_layout
+from hyper_parallel.dry_run.simulation import CommLog, SimulationMode
+from hyper_parallel.dry_run.world import MESH_DEVICE, build_parallel_model
+from hyper_parallel.protocols.model_spec import ModelSpec
+from hyper_parallel.trainer import Trainer
+
+__all__ = [
+    "LayerPlan", "StepMeasurement", "layer_plan", "materialize_with_optimizer", "micro_batches_per_step",
+    "model_config_at_depth", "simulate_step",
+]
+
+_LAYER_FQN = re.compile(r"^layers\.(\d+)\.(.*)$")
+
+FULL_DEPTH_MAX_LAYERS = 8
+"""Models with at most this many layers are always simulated at full depth."""
+
+
+@dataclass(frozen=True, slots=True)
+class LayerPlan:
+    """Depths to simulate; ``depths == (L,)`` means the full model."""
+
+    num_layers: int
+    depths: tuple[int, ...]
+    period: int = 1
+
+    @property
+    def scaled(self) -> bool:
+        return len(self.depths) == 2
+
+    def representative(self, fqn: str) -> str:
+        """The FQN in the shallower simulated copy whose layer config equals the one of ``fqn``'s layer."""
+        match = _LAYER_FQN.match(fqn)
+        if not self.scaled or match is None or int(match.group(1)) < self.depths[0]:
+            return fqn
+        head = self.depths[0] - self.period
+        return f"layers.{head + (int(match.group(1)) - head) % self.period}.{match.group(2)}"
+
+    def extrapolate(self, low: float, high: float) -> float:
+        """The value at full depth from the values at the two simulated depths (linear in periods)."""
+        k1, k2 = self.depths
+        return low + (high - low) * (self.num_layers - k1) / (k2 - k1)
+
+
+def layer_plan(layers: Sequence[Any], *, full: bool = False) -> LayerPlan:
+    """Full depth for shallow models (or ``full``), else the two shortest prefixes that contain a whole period."""
+    n = len(layers)
+    if full or n <= FULL_DEPTH_MAX_LAYERS:
+        return LayerPlan(n, (n,))
+    best: tuple[int, int] | None = None
+    for period in range(1, n // 2 + 1):
+        for head in range(0, n - 2 * period + 1):
+            if all(layers[i] == layers[i + period] for i in range(head, n - period)):
+                if best is None or head + 2 * period < best[0] + 2 * best[1]:
+                    best = (head, period)
+                break
+    if best is None or best[0] + 2 * best[1] >= n:
+        return LayerPlan(n, (n,))
+    head, period = best
+    return LayerPlan(n, (head + period, head + 2 * period), period)
+
+
+@dataclass(slots=True)
+class StepMeasurement:
+    """What one simulated step of one rank used."""
+
+    peak: dict[str, float] = field(default_factory=dict)
+    """Bytes by ``FSDPMemTracker`` category at the peak, plus ``Total``."""
+    comm: dict[tuple[str, str, int], list[float]] = field(default_factory=dict)
+    """(kind, group name, group size) -> [calls, bytes] per optimizer step."""
+    optimizer_layout: dict[str, OptimizerStateLayout] = field(default_factory=dict)
+    """State layout per parameter FQN (from the simulated model)."""
+    fsdp_tracker: bool = True
+    """The peak comes from ``FSDPMemTracker``, which tracks FSDP-managed parameters only."""
+
+    def combine(self, other: StepMeasurement, fn) -> StepMeasurement:  # noqa: ANN001 - (float, float) -> float
+        keys = set(self.peak) | set(other.peak)
+        peak = {k: fn(self.peak.get(k, 0.0), other.peak.get(k, 0.0)) for k in keys}
+        comm = {}
+        for k in set(self.comm) | set(other.comm):
+            a, b = self.comm.get(k, [0.0, 0.0]), other.comm.get(k, [0.0, 0.0])
+            comm[k] = [fn(a[0], b[0]), fn(a[1], b[1])]
+        return StepMeasurement(peak=peak, comm=comm, fsdp_tracker=self.fsdp_tracker and other.fsdp_tracker)
+
+
+def micro_batches_per_step(config: Trainer.Config, parallel_dims: ParallelDims) -> int:
+    """``data.global_batch_tokens / (dp x max_tokens_per_microbatch)``; 0 means one micro-batch per rank."""
+    data = config.data
+    per_step = parallel_dims.dp * data.max_tokens_per_microbatch
+    total = getattr(data, "global_batch_tokens", 0) or per_step
+    return max(1, total // per_step)
+
+
+def materialize_with_optimizer(model: nn.Module, config: Trainer.Config) -> Any:
+    """Fake-materialize ``model``, build the run's optimizer and step it once on zero gradients.
+
+    Must run under ``FakeTensorMode`` + ``SimulationMode``. The step creates the optimizer state, so
+    its layout can be read and a tracked step starts from steady state (as every step after the first).
+    """
+    model.to_empty(device=MESH_DEVICE)
+    model.train()
+    optimizers = config.optimizer.build(model_parts=[model])
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizers.step()
+    optimizers.zero_grad()
+    return optimizers
+
+
+def _set_grad_sync(model: nn.Module, config: Trainer.Config, pd: ParallelDims, *, last: bool) -> None:
+    """The Trainer's gradient-reduction policy for one micro-batch (``Trainer._set_grad_sync``)."""
+    sync = getattr(model, "set_requires_gradient_sync", None)
+    if not callable(sync):
+        return
+    if getattr(config.training, "defer_grad_reduce", False):
+        sync(last)
+        return
+    sync(True)
+    all_reduce = getattr(model, "set_requires_all_reduce", None)
+    if pd.dp_replicate > 1 and callable(all_reduce):
+        all_reduce(last)
+
+
+def _micro_batch(config: Trainer.Config, pd: ParallelDims) -> dict[str, Any]:
+    """This rank's part of one text-only micro-batch: one document of ``max_tokens_per_microbatch`` tokens."""
+    seqlen = config.data.max_tokens_per_microbatch
+    local = seqlen // pd.cp
+    lo = pd.mesh_coordinate("cp") * local
+    return {
+        "input_ids": torch.zeros(1, local, dtype=torch.int64),
+        "labels": torch.zeros(1, local, dtype=torch.int64),
+        "position_ids": torch.arange(lo, lo + local, dtype=torch.int64).unsqueeze(0),
+        # boundaries stay global under context parallel (attention sees whole sequences)
+        "cu_seqlens": torch.tensor([0, seqlen], dtype=torch.int32),
+        "max_seqlen": seqlen,
+    }
+
+
+def _run_step(
+    model: nn.Module, optimizers: Any, config: Trainer.Config, pd: ParallelDims, log: CommLog, n_micro: int,
+    after_backward: Callable[[], None] = lambda: None,
+) -> None:
+    loss_fn = config.loss.build()
+    parallel_ctx = getattr(type(loss_fn), "parallel_context", None)
+    mb = _micro_batch(config, pd)
+    global_tokens = float(mb["labels"].numel() * pd.dp * pd.cp * n_micro)
+    optimizers.zero_grad()
+    for i in range(n_micro):
+        last = i == n_micro - 1
+        log.phase = "last" if last else "first"
+        _set_grad_sync(model, config, pd, last=last)
+        ctx = parallel_ctx(pd.loss_parallel_enabled) if parallel_ctx is not None else contextlib.nullcontext()
+        with ctx:
+            out = model(
+                mb["input_ids"],
+                position_ids=mb["position_ids"],
+                cu_seqlens=mb["cu_seqlens"],
+                max_seqlen=mb["max_seqlen"],
+            )
+            logits, aux = getattr(out, "logits", out), getattr(out, "aux_loss", None)
+            loss = loss_fn(logits, mb["labels"], num_tokens=global_tokens)
+            if aux is not None:
+                loss = loss + aux / n_micro
+            del out, logits
+            loss.backward()
+        after_backward()
+    log.phase = "last"
+    optimizers.step()
+    optimizers.zero_grad()
+
+
+def _has_multi_module_units(model: nn.Module) -> bool:
+    """Whether some FSDP unit spans several modules (``fully_shard([m1, m2])``)."""
+    states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
+    return len(states) != len({id(s) for s in states})
+
+
+def _measure(
+    spec: ModelSpec, config: Trainer.Config, pd: ParallelDims, model_config: Any, n_total: int
+) -> StepMeasurement:
+    """Simulate a steady-state step of ``model_config`` under the memory tracker; collectives are scaled to
+    ``n_total`` micro-batches.
+
+    ``FSDPMemTracker`` re-registers FSDP's forward hooks per module, which splits a multi-module FSDP unit
+    (``fully_shard([m1, m2])``) into one all-gather per module; models with such units log their collectives
+    in an untracked step first (which also creates the optimizer state), the others in the tracked step.
+    """
+    model = build_parallel_model(spec, config, pd, model_config)
+    log = CommLog()
+    n_sim = min(n_total, 2)  # the first micro-batch stands for every one before the last
+    with FakeTensorMode(allow_non_fake_inputs=True), SimulationMode(log), warnings.catch_warnings():
+        # can_use_grouped_mm reads data_ptr() (0 for a fake tensor, which is "aligned")
+        warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+        warnings.filterwarnings("ignore", message="DTensor random operators")
+        untracked_comm = _has_multi_module_units(model)
+        if untracked_comm:
+            model.to_empty(device=MESH_DEVICE)
+            model.train()
+            optimizers = config.optimizer.build(model_parts=[model])
+            _run_step(model, optimizers, config, pd, log, n_sim)
+        else:
+            optimizers = materialize_with_optimizer(model, config)
+        layout = optimizer_state_layout(model, optimizers)
+        records, log.records = log.records, []
+        fsdp_tracker = isinstance(model, FSDPModule) and len(optimizers) == 1
+        if fsdp_tracker:
+            tracker: MemTracker = FSDPMemTracker(model, optimizers.optimizers[0])
+        else:
+            tracker = MemTracker()
+            tracker.track_external(model, *optimizers.optimizers)
+        with tracker:
+            # the tracker keeps its peak across micro-batches, but refuses a second root forward without a reset
+            _run_step(model, optimizers, config, pd, log, n_sim, after_backward=tracker.reset_mod_stats)
+        snapshot = tracker.get_tracker_snapshot("peak")
+    if not untracked_comm:
+        records = log.records
+    peak = {str(getattr(k, "value", k)): float(v) for dev in snapshot.values() for k, v in dev.items()}
+    comm: dict[tuple[str, str, int], list[float]] = {}
+    for rec in records:
+        weight = float(n_total - 1) if rec.phase == "first" else 1.0
+        entry = comm.setdefault((rec.kind, rec.group, rec.group_size), [0.0, 0.0])
+        entry[0] += weight
+        entry[1] += weight * rec.nbytes
+    return StepMeasurement(peak=peak, comm=comm, optimizer_layout=layout, fsdp_tracker=fsdp_tracker)
+
+
+def model_config_at_depth(config: Trainer.Config, depth: int) -> Any:
+    """The run's model config with its first ``depth`` layers (the full config at full depth)."""
+    layers = list(getattr(config.model, "layers", None) or [])
+    return config.model if depth == len(layers) else dataclasses.replace(config.model, layers=layers[:depth])
+
+
+def simulate_step(spec: ModelSpec, config: Trainer.Config, pd: ParallelDims, plan: LayerPlan) -> StepMeasurement:
+    """Peak memory and collectives of one optimizer step of this rank (the fake world must be set up)."""
+    n_total = micro_batches_per_step(config, pd)
+    low, *high = (_measure(spec, config, pd, model_config_at_depth(config, k), n_total) for k in plan.depths)
+    return low.combine(high[0], plan.extrapolate) if high else low

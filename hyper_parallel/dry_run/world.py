@@ -1,0 +1,93 @@
+"""A simulated N-rank world in one process, and the run's model parallelized on it exactly as the Trainer does."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hyper_parallel.distributed.parallel_dims import ParallelDims
+from hyper_parallel.protocols.model_spec import ModelSpec
+from hyper_parallel.trainer import Trainer
+
+__all__ = ["MESH_DEVICE", "axis_labels", "build_parallel_model", "fake_world", "validate_layout"]
+
+MESH_DEVICE = "cpu"
+"""Device type of the simulated mesh: the fake backend moves nothing, so any device type would do."""
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int) -> Iterator[None]:
+    """A default process group of ``world_size`` ranks on torch's ``fake`` backend, as ``rank``."""
+    # torch's fake process group (a test utility, but the supported way to simulate a world: torchtitan's
+    # memory estimator uses it too); importing it registers the "fake" backend.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "the dry run needs its own (fake) default process group, but one is already initialized: "
+            "run it in a process without torch.distributed set up (not under torchrun)"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def validate_layout(spec: ModelSpec, config: Trainer.Config, parallel_dims: ParallelDims) -> None:
+    """The Trainer's own model-layout check, so a dry run fails with the message a real run would print."""
+    Trainer._validate_model_layout(SimpleNamespace(spec=spec, config=config, parallel_dims=parallel_dims))
+
+
+def build_parallel_model(
+    spec: ModelSpec, config: Trainer.Config, parallel_dims: ParallelDims, model_config: Any = None
+) -> nn.Module:
+    """Build ``model_config`` (default: the run's) on the meta device and apply the run's parallelize path.
+
+    ``torch.compile`` is left out: the simulated step runs eagerly (compiled kernels may use less memory).
+    """
+    with torch.device("meta"):
+        model = (model_config if model_config is not None else config.model).build()
+    return spec.parallelize_fn(
+        model,
+        parallel_dims=parallel_dims,
+        training=config.training,
+        parallelism=config.parallelism,
+        ac_config=config.activation_checkpoint,
+        compile_config=dataclasses.replace(config.compile, enable=False),
+    )
+
+
+def axis_labels(parallel_dims: ParallelDims) -> dict[str, str]:
+    """Process-group name -> the mesh axes it serves (``cp=ep`` when two axes share the same ranks)."""
+    pd = parallel_dims
+    names: dict[str, list[str]] = {}
+
+    def add(mesh: Any) -> None:
+        if mesh is None:
+            return
+        for i, name in enumerate(mesh.mesh_dim_names or ()):
+            group = mesh.get_group(i).group_name
+            if name not in names.setdefault(group, []):
+                names[group].append(name)
+
+    # The meshes the parallelize path uses name their groups; views that merely coincide with one of them
+    # (dp_shard = dp_shard_cp without CP, dp = dp_shard without HSDP ...) only name groups nobody else named.
+    add(pd.fsdp_mesh())
+    add(pd.efsdp_mesh())
+    if pd.tp == 1 or pd.ep == 1:
+        add(pd.fsdp_mesh_with_tp())
+    for axis in ("tp", "cp", "ep", "dp_replicate"):
+        add(pd.mesh(axis))
+    for axis in ("dp_shard", "dp_shard_cp", "efsdp", "dp", "dp_cp", "world"):
+        mesh = pd.mesh(axis)
+        if mesh is not None and mesh.get_group().group_name not in names:
+            add(mesh)
+    return {group: "=".join(axes) for group, axes in names.items()}

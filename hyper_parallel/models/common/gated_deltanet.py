@@ -1,0 +1,155 @@
+"""``GatedDeltaNet``: the linear-attention token mixer of Qwen3.5 (HF ``Qwen3_5GatedDeltaNet``, no cache).
+
+Legend: B batch, T tokens, D model dim, Hk key heads, Hv value heads, Dk/Dv head dims (head counts are
+LOCAL under tensor parallel: they are read off the projections' outputs).
+
+    qkv = in_proj_qkv(x)           rows [Q (Hk*Dk) | K (Hk*Dk) | V (Hv*Dv)], each head-major
+    z   = in_proj_z(x)             [B, T, Hv, Dv]
+    beta = sigmoid(in_proj_b(x))   model dtype;   g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias)  fp32
+    o   = delta_rule(q, k, v, g, beta)   (causal depthwise conv + SiLU, then the gated delta rule)
+    out = out_proj(norm(o, z))     (GatedRMSNorm per value head)
+
+Packed documents are exact: the conv window and the recurrent state restart at every ``cu_seqlens``
+boundary (see ``gated_delta_rule``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyper_parallel.models.common.attention import AttentionMeta
+from hyper_parallel.models.common.gated_delta_rule import GatedDeltaRule
+from hyper_parallel.models.common.linear import Linear
+from hyper_parallel.models.common.mixer import TokenMixer
+from hyper_parallel.models.common.qwen3_5_norm import GatedRMSNorm
+from hyper_parallel.protocols.module import Module
+from hyper_parallel.protocols.param_init import NormalInit, ParamInit
+
+__all__ = ["CausalConv1d", "GatedDeltaNet"]
+
+
+class CausalConv1d(Module):
+    """Depthwise causal conv weights ``[channels, 1, kernel_size]`` (HF ``nn.Conv1d(groups=C, bias=False)``).
+
+    Holds the weight only; ``GatedDeltaNet``'s ``delta_rule`` applies it per document.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        kernel_size: int = 4
+        """Taps per channel (HF ``linear_conv_kernel_dim``); the last tap multiplies the current token."""
+        param_init: ParamInit.Config | None = field(default_factory=NormalInit.Config)
+        """Weight initialiser (HF: normal(0, initializer_range))."""
+
+    def __init__(self, config: Config, *, channels: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__(config)
+        if config.kernel_size < 1:
+            raise ValueError(f"CausalConv1d.Config.kernel_size={config.kernel_size} must be >= 1")
+        self.channels = channels
+        self.weight = nn.Parameter(torch.empty(channels, 1, config.kernel_size, dtype=dtype))
+
+    def extra_repr(self) -> str:
+        return f"channels={self.channels}, kernel_size={self.config.kernel_size}"
+
+
+class GatedDeltaNet(TokenMixer):
+    """Gated DeltaNet mixer with HF Qwen3.5 parameter names and numerics (reference doc section 1.5)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(TokenMixer.Config):
+        num_k_heads: int
+        """Query/key heads Hk (HF ``linear_num_key_heads``)."""
+        num_v_heads: int
+        """Value heads Hv, a multiple of Hk (HF ``linear_num_value_heads``)."""
+        head_k_dim: int
+        """Query/key head dim Dk (HF ``linear_key_head_dim``)."""
+        head_v_dim: int
+        """Value head dim Dv (HF ``linear_value_head_dim``)."""
+        in_proj_qkv: Linear.Config = field(default_factory=Linear.Config)
+        """Fused ``[Q | K | V]`` projection ``[2*Hk*Dk + Hv*Dv, D]`` (no bias in HF)."""
+        in_proj_z: Linear.Config = field(default_factory=Linear.Config)
+        """Output-gate projection ``[Hv*Dv, D]``."""
+        in_proj_b: Linear.Config = field(default_factory=Linear.Config)
+        """Write-strength projection ``[Hv, D]`` (beta = sigmoid)."""
+        in_proj_a: Linear.Config = field(default_factory=Linear.Config)
+        """Decay projection ``[Hv, D]``."""
+        conv1d: CausalConv1d.Config = field(default_factory=CausalConv1d.Config)
+        """Depthwise causal conv over the q/k/v channels."""
+        norm: GatedRMSNorm.Config = field(default_factory=GatedRMSNorm.Config)
+        """Gated output norm over Dv (HF ``rms_norm_eps``)."""
+        out_proj: Linear.Config = field(default_factory=Linear.Config)
+        """Output projection ``[D, Hv*Dv]``."""
+        delta_rule: GatedDeltaRule.Config = field(default_factory=GatedDeltaRule.Config)
+        """The sequence core (conv + recurrence); context parallel wraps it."""
+
+    def __init__(self, config: Config, *, dim: int) -> None:
+        super().__init__(config)
+        c = config
+        if c.num_v_heads % c.num_k_heads:
+            raise ValueError(
+                f"GatedDeltaNet.Config: num_v_heads={c.num_v_heads} must be a multiple of num_k_heads={c.num_k_heads}"
+            )
+        self.key_dim, self.value_dim = c.num_k_heads * c.head_k_dim, c.num_v_heads * c.head_v_dim
+        conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkv = c.in_proj_qkv.build(in_features=dim, out_features=conv_dim)
+        self.in_proj_z = c.in_proj_z.build(in_features=dim, out_features=self.value_dim)
+        self.in_proj_b = c.in_proj_b.build(in_features=dim, out_features=c.num_v_heads)
+        self.in_proj_a = c.in_proj_a.build(in_features=dim, out_features=c.num_v_heads)
+        self.conv1d = c.conv1d.build(channels=conv_dim)
+        self.dt_bias = nn.Parameter(torch.empty(c.num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(c.num_v_heads))
+        self.norm = c.norm.build(dim=c.head_v_dim)
+        self.out_proj = c.out_proj.build(in_features=self.value_dim, out_features=dim)
+        self.delta_rule = c.delta_rule.build()
+
+    @torch.no_grad()
+    def init_own_weights(self) -> None:
+        # HF: dt_bias = 1, A = U(0.01, 16) (kept away from 0 so log A is finite).
+        self.dt_bias.fill_(1.0)
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log_())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Chunked recurrence FLOPs per token (fwd + bwd = 3x fwd), chunk ``L = min(chunk_size, seq_len)``.
+
+        Per value head and token, forward: ``K K^T``, ``Q K^T`` (2*L*Dk each), the two triangular solves
+        (L*(Dv+Dk)), ``W S``/``Q S``/``K^T v'`` (2*Dk*Dv each) and ``attn v'`` (2*L*Dv).
+        """
+        c = self.config
+        L = min(self.delta_rule.config.chunk_size, max(seq_len, 1))
+        dk, dv = c.head_k_dim, c.head_v_dim
+        fwd = 4 * L * dk + L * (dk + dv) + 6 * dk * dv + 2 * L * dv
+        return 3.0 * c.num_v_heads * fwd
+
+    def forward(
+        self, x_BTD: torch.Tensor, *, position_ids: torch.Tensor | None = None, meta: AttentionMeta | None = None
+    ) -> torch.Tensor:
+        del position_ids  # no positions: order comes from the recurrence
+        c = self.config
+        B, T, _ = x_BTD.shape
+        b = self.in_proj_b(x_BTD)
+        n_v = b.shape[-1]  # local value heads (tensor parallel shards heads)
+        n_k = n_v * c.num_k_heads // c.num_v_heads
+        q, k, v = self.in_proj_qkv(x_BTD).split([n_k * c.head_k_dim, n_k * c.head_k_dim, n_v * c.head_v_dim], -1)
+        z = self.in_proj_z(x_BTD).view(B, T, n_v, c.head_v_dim)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_BTD).float() + self.dt_bias)
+        o = self.delta_rule(
+            q.view(B, T, n_k, c.head_k_dim),
+            k.view(B, T, n_k, c.head_k_dim),
+            v.view(B, T, n_v, c.head_v_dim),
+            g,
+            beta,
+            conv_weight=self.conv1d.weight.squeeze(1),
+            meta=meta,
+        )
+        o = self.norm(o, z)
+        return self.out_proj(o.reshape(B, T, -1))
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return f"num_k_heads={c.num_k_heads}, num_v_heads={c.num_v_heads}, head_k_dim={c.head_k_dim}, head_v_dim={c.head_v_dim}"
+

@@ -1,0 +1,322 @@
+"""Shared placement builders for decoder models: pure functions (config in, NEW config out).
+
+A model's ``sharding.py`` composes these instead of writing placements by hand. Nothing here mutates a
+config it is given: every ``set_*`` returns a new config made with ``dataclasses.replace``; every
+``*_config`` returns a fresh ``ShardingConfig``. Placements are keyed by mesh axis, so one result serves
+every layout (``parallelize`` skips axes of degree 1).
+
+Tensor parallel (axis ``tp``; ``residual`` is ``Shard(1)`` with sequence parallel, else ``Replicate()``):
+
+- TP region (an attention block, an MLP): whole tokens inside; the activation gradients inside are
+  per-rank partial sums (``Partial``), reduced once at the region's entry. Replicated parameters inside a
+  region (MLA's latent projections/norms, GQA's per-head q/k norms) therefore get partial gradients too;
+  ``parallelize_decoder`` FSDP-shards them over a mesh that includes ``tp`` so the SUM completes them.
+- ``colwise_config``: weight (and bias) ``Shard(0)``, input ``Replicate``, output ``Shard(-1)``
+  (whole heads per rank when rows are head-major); ``rowwise_config``: weight ``Shard(1)``, input
+  ``Shard(-1)``, output ``Partial`` reduced to ``residual`` (all-reduce, or reduce-scatter with SP).
+- ``norm_config``: replicated weight on sequence shards (SP only; without SP a norm is left plain).
+- embedding: vocab-sharded, output all-reduced to ``Replicate`` (a multimodal ``embed`` scatters image
+  features into whole sequences); with SP the first layer then keeps its sequence chunk.
+- MoE: router and routed experts are not tensor-parallel: the MoE runs on the rank's sequence chunk
+  (tokens split over ``tp`` like data); the shared expert is a TP MLP over the flattened local tokens.
+- head: column-wise; with loss parallel its output stays a vocab-sharded DTensor for the loss.
+
+Expert parallel (axis ``ep``): routed experts ``Shard(0)`` (whole experts per rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from hyper_parallel.config.configurable import Configurable
+from hyper_parallel.models.common.decoder import Decoder
+from hyper_parallel.models.common.feed_forward import FeedForward
+from hyper_parallel.models.common.gqa import GQAttention
+from hyper_parallel.models.common.linear import Linear
+from hyper_parallel.models.common.mixer import TokenMixer
+from hyper_parallel.models.common.mla import MLAttention
+from hyper_parallel.models.common.moe import MoE
+from hyper_parallel.protocols.module import Module
+from hyper_parallel.protocols.sharding import LocalMapConfig, MeshAxisName, ShardingConfig
+
+__all__ = [
+    "colwise_config",
+    "embedding_config",
+    "lm_head_config",
+    "norm_config",
+    "region_config",
+    "rowwise_config",
+    "set_decoder_sharding_config",
+    "set_dense_ffn_sharding",
+    "set_gqa_attention_sharding",
+    "set_mla_attention_sharding",
+    "set_moe_sharding",
+    "set_qkv_linear_sharding",
+    "without_sharding",
+]
+
+TP, EP = MeshAxisName.TP, MeshAxisName.EP
+
+_C = TypeVar("_C", bound=Configurable.Config)
+
+MixerSharding = Callable[[TokenMixer.Config, Placement], TokenMixer.Config]
+"""``(mixer config, residual placement) -> new mixer config`` with its placements declared."""
+
+
+def _partial_input_grad() -> LocalMapConfig:
+    # The first positional input's gradient comes back as per-rank contributions (see the module docstring).
+    return LocalMapConfig(in_grad_placements=({TP: Partial()},))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ShardingConfig builders
+# ---------------------------------------------------------------------------------------------------------
+
+
+def colwise_config(
+    linear: Linear.Config, *, input_placement: Placement | None = None, in_region: bool = True
+) -> ShardingConfig:
+    """Column-wise ``Linear``: weight (and bias) ``Shard(0)``, input made ``Replicate``, output ``Shard(-1)``.
+
+    ``input_placement`` is how the caller hands the input in (default ``Replicate``; ``Shard(1)`` for a
+    head reading sequence shards). ``in_region``: the linear sits inside a TP region, so its input
+    gradient is handed back unreduced (``Partial``) for the region's entry to reduce once.
+    """
+    params = {"weight": {TP: Shard(0)}} | ({"bias": {TP: Shard(0)}} if linear.bias else {})
+    return ShardingConfig(
+        params=params,
+        inputs={"x": {TP: input_placement if input_placement is not None else Replicate()}},
+        desired_inputs={"x": {TP: Replicate()}},
+        outputs={TP: Shard(-1)},
+        local_map=_partial_input_grad() if in_region else None,
+    )
+
+
+def rowwise_config(linear: Linear.Config, *, output_placement: Placement) -> ShardingConfig:
+    """Row-wise ``Linear``: weight ``Shard(1)`` (bias replicated), input ``Shard(-1)``, partial output reduced
+    to ``output_placement`` (``Replicate``: all-reduce; ``Shard(1)``/``Shard(0)``: reduce-scatter)."""
+    params = {"weight": {TP: Shard(1)}} | ({"bias": {TP: Replicate()}} if linear.bias else {})
+    return ShardingConfig(
+        params=params,
+        inputs={"x": {TP: Shard(-1)}},
+        outputs={TP: Partial()},
+        desired_outputs={TP: output_placement},
+    )
+
+
+def norm_config(*, input_name: str = "x", sequence_dim: int = 1) -> ShardingConfig:
+    """Sequence-parallel norm: replicated weight applied to the rank's sequence shard (dim ``sequence_dim``)."""
+    return ShardingConfig(params={"weight": {TP: Replicate()}}, inputs={input_name: {TP: Shard(sequence_dim)}})
+
+
+def region_config(input_name: str, input_placement: Placement) -> ShardingConfig:
+    """A TP region (attention block, MLP): input arrives as ``input_placement`` and is made whole
+    (``Replicate``); activation gradients inside are partial and reduced once here, at the entry."""
+    return ShardingConfig(
+        inputs={input_name: {TP: input_placement}},
+        desired_inputs={input_name: {TP: Replicate()}},
+        local_map=_partial_input_grad(),
+    )
+
+
+def embedding_config() -> ShardingConfig:
+    """Vocab-parallel embedding: table ``Shard(0)``, ids replicated, output all-reduced to ``Replicate``."""
+    return ShardingConfig(
+        params={"weight": {TP: Shard(0)}},
+        inputs={"ids": {TP: Replicate()}},
+        desired_outputs={TP: Replicate()},
+    )
+
+
+def lm_head_config(linear: Linear.Config, *, input_placement: Placement, loss_parallel: bool) -> ShardingConfig:
+    """Column-wise LM head on ``input_placement`` hidden states; with ``loss_parallel`` the logits stay a
+    vocab-sharded DTensor (for the parallel cross entropy), else they are gathered to ``Replicate``."""
+    head = colwise_config(linear, input_placement=input_placement, in_region=False)
+    if loss_parallel:
+        return dataclasses.replace(head, use_local_output=False)
+    return dataclasses.replace(head, desired_outputs={TP: Replicate()})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Config transformers: config in, new config out
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _rebuilt(value: Any) -> Any:
+    if isinstance(value, Configurable.Config):
+        changes = {f.name: _rebuilt(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        if isinstance(value, Module.Config):
+            changes["sharding_config"] = None
+        return dataclasses.replace(value, **changes)
+    if isinstance(value, list):
+        return [_rebuilt(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_rebuilt(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _rebuilt(v) for k, v in value.items()}
+    return value
+
+
+def without_sharding(config: _C) -> _C:
+    """A new config tree equal to ``config`` with every ``sharding_config`` cleared (no config object shared)."""
+    return _rebuilt(config)
+
+
+def _with(config: _C, sharding_config: ShardingConfig | None) -> _C:
+    return dataclasses.replace(config, sharding_config=sharding_config)
+
+
+def set_qkv_linear_sharding(config: _C, names: Sequence[str]) -> _C:
+    """``config`` with its ``Linear`` children ``names`` column-wise (whole heads per rank); children that
+    are None (an unused branch, e.g. MLA's ``q_proj`` under ``q_lora_rank``) are skipped."""
+    changes = {}
+    for name in names:
+        if not hasattr(config, name):
+            raise AttributeError(f"{type(config).__qualname__} has no field {name!r}: fix the projection names")
+        linear = getattr(config, name)
+        if linear is not None:
+            changes[name] = _with(linear, colwise_config(linear))
+    return dataclasses.replace(config, **changes)
+
+
+def set_gqa_attention_sharding(attn: _C, *, residual: Placement) -> _C:
+    """GQA over tensor parallel: ``q_proj``/``k_proj``/``v_proj`` column-wise over heads, ``o_proj`` row-wise
+    back to ``residual``; per-head ``q_norm``/``k_norm`` stay replicated (plain parameters in the region).
+
+    Takes ``GQAttention.Config`` or any mixer config with the same projection fields whose rows are
+    head-major (e.g. gated attention, whose ``q_proj`` rows are ``[q_h | gate_h]`` per head). The layout
+    must give every rank whole key/value heads: tp divides ``n_kv_heads`` (check it in the model's
+    ``validate_layout``).
+    """
+    attn = set_qkv_linear_sharding(attn, ("q_proj", "k_proj", "v_proj"))
+    norms = {
+        name: _with(norm, None)
+        for name in ("q_norm", "k_norm")
+        if (norm := getattr(attn, name, None)) is not None
+    }
+    return dataclasses.replace(
+        attn,
+        sharding_config=region_config("x_BTD", residual),
+        o_proj=_with(attn.o_proj, rowwise_config(attn.o_proj, output_placement=residual)),
+        **norms,
+    )
+
+
+def set_mla_attention_sharding(attn: MLAttention.Config, *, residual: Placement) -> MLAttention.Config:
+    """MLA over tensor parallel: ``q_proj``/``q_b_proj`` and ``kv_b_proj`` column-wise (rows are head-major),
+    ``o_proj`` row-wise back to ``residual``. The latent projections/norms (``q_a_*``, ``kv_a_*``) stay
+    replicated; the shared rope key feeds heads of every rank, so its gradient is partial like the rest."""
+    attn = set_qkv_linear_sharding(attn, ("q_proj", "q_b_proj", "kv_b_proj"))
+    return dataclasses.replace(
+        attn,
+        sharding_config=region_config("x_BTD", residual),
+        o_proj=_with(attn.o_proj, rowwise_config(attn.o_proj, output_placement=residual)),
+    )
+
+
+def set_dense_ffn_sharding(ffn: FeedForward.Config, *, token_placement: Placement) -> FeedForward.Config:
+    """SwiGLU MLP as a TP region whose input arrives as ``token_placement`` (``Replicate``, a sequence shard
+    ``Shard(1)``, or a token shard ``Shard(0)``): ``gate_proj``/``up_proj`` column-wise, ``down_proj``
+    row-wise back to ``token_placement``."""
+    return dataclasses.replace(
+        ffn,
+        sharding_config=region_config("x", token_placement),
+        gate_proj=_with(ffn.gate_proj, colwise_config(ffn.gate_proj)),
+        up_proj=_with(ffn.up_proj, colwise_config(ffn.up_proj)),
+        down_proj=_with(ffn.down_proj, rowwise_config(ffn.down_proj, output_placement=token_placement)),
+    )
+
+
+def set_moe_sharding(moe: MoE.Config, *, enable_sp: bool, ep_degree: int) -> MoE.Config:
+    """MoE on the rank's sequence chunk (not tensor-parallel; without SP it slices its input and gathers its
+    output), shared expert a TP MLP over the flattened local tokens, routed experts ``Shard(0)`` on ``ep``
+    when ``ep_degree > 1``."""
+    changes: dict[str, Any] = {}
+    if not enable_sp:
+        # Route this rank's sequence chunk only (SP already hands the MoE a chunk).
+        changes["sharding_config"] = ShardingConfig(
+            inputs={"x": {TP: Replicate()}},
+            desired_inputs={"x": {TP: Shard(1)}},
+            outputs={TP: Shard(1)},
+            desired_outputs={TP: Replicate()},
+        )
+    if moe.shared_experts is not None:
+        # MoE.forward hands the shared expert the flattened local tokens [T_local, D].
+        changes["shared_experts"] = set_dense_ffn_sharding(moe.shared_experts, token_placement=Shard(0))
+    if ep_degree > 1:
+        changes["experts"] = _with(
+            moe.experts, ShardingConfig(params={"gate_up_proj": {EP: Shard(0)}, "down_proj": {EP: Shard(0)}})
+        )
+    return dataclasses.replace(moe, **changes)
+
+
+_GQA_FIELDS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
+
+
+def _default_mixer_sharding(mixer: TokenMixer.Config, residual: Placement) -> TokenMixer.Config:
+    if isinstance(mixer, MLAttention.Config):
+        return set_mla_attention_sharding(mixer, residual=residual)
+    if isinstance(mixer, GQAttention.Config) or _GQA_FIELDS <= {f.name for f in dataclasses.fields(mixer)}:
+        return set_gqa_attention_sharding(mixer, residual=residual)
+    raise TypeError(
+        f"no default tensor-parallel placements for a {type(mixer).__qualname__} mixer: pass "
+        "mixer_sharding=(mixer_config, residual) -> new mixer config to set_decoder_sharding_config"
+    )
+
+
+def set_decoder_sharding_config(
+    config: Decoder.Config,
+    *,
+    loss_parallel: bool,
+    enable_sp: bool,
+    ep_degree: int,
+    mixer_sharding: MixerSharding | None = None,
+) -> Decoder.Config:
+    """A new ``Decoder`` config tree with every module's placements declared; ``config`` is untouched.
+
+    The result depends on the arguments only: placements already in ``config`` are dropped first. Mixers
+    are MLA, or GQA-style (``q_proj``/``k_proj``/``v_proj``/``o_proj`` fields) by default; ``mixer_sharding``
+    handles others (a linear-attention mixer). MLPs are ``FeedForward`` or ``MoE``.
+    Modules a subclass adds (e.g. GlmImageMoe's codebook) are left without placements.
+    """
+    cfg = without_sharding(config)
+    residual: Placement = Shard(1) if enable_sp else Replicate()
+    shard_mixer = mixer_sharding or _default_mixer_sharding
+
+    def norm() -> ShardingConfig | None:  # a fresh config per module: no object is shared in the tree
+        return norm_config() if enable_sp else None
+
+    layers = []
+    for i, layer in enumerate(cfg.layers):
+        mlp = layer.mlp
+        if isinstance(mlp, MoE.Config):
+            mlp = set_moe_sharding(mlp, enable_sp=enable_sp, ep_degree=ep_degree)
+        elif isinstance(mlp, FeedForward.Config):
+            mlp = set_dense_ffn_sharding(mlp, token_placement=residual)
+        else:
+            raise TypeError(f"layers.{i}.mlp is {type(mlp).__qualname__}; expected FeedForward or MoE")
+        layer_sc = None
+        if enable_sp and i == 0:
+            # The embedding output is whole (a multimodal embed indexes whole sequences): keep this rank's chunk.
+            layer_sc = ShardingConfig(inputs={"x_BTD": {TP: Replicate()}}, desired_inputs={"x_BTD": {TP: Shard(1)}})
+        layers.append(
+            dataclasses.replace(
+                layer,
+                sharding_config=layer_sc,
+                self_attn=shard_mixer(layer.self_attn, residual),
+                mlp=mlp,
+                input_layernorm=_with(layer.input_layernorm, norm()),
+                post_attention_layernorm=_with(layer.post_attention_layernorm, norm()),
+            )
+        )
+    return dataclasses.replace(
+        cfg,
+        embed_tokens=_with(cfg.embed_tokens, embedding_config()),
+        layers=layers,
+        norm=_with(cfg.norm, norm()),
+        lm_head=_with(cfg.lm_head, lm_head_config(cfg.lm_head, input_placement=residual, loss_parallel=loss_parallel)),
+    )

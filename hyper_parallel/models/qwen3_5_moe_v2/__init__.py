@@ -1,0 +1,85 @@
+"""Qwen3.5-MoE (v2 model package): hybrid Gated DeltaNet / gated attention layers, an MoE in every layer.
+
+Registers the ``qwen3_5_moe`` spec (alias ``qwen3_5_moe_v2``) and offers HF I/O: ``from_pretrained(path)``
+reads a ``Qwen3_5MoeForCausalLM`` folder or the text part of a ``Qwen3_5MoeForConditionalGeneration``
+folder (``model.visual.*`` / ``mtp.*`` kept and written back); per-expert or fused expert keys in,
+per-expert keys out.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from hyper_parallel.models.qwen3_5_moe_v2.model import Qwen3_5MoeModel, Qwen3_5MoeTransformerBlock, qwen3_5_moe_config
+from hyper_parallel.models.qwen3_5_moe_v2.state_dict import CheckpointKeyError, Qwen3_5MoeStateDictAdapter, load_hf_weights
+from hyper_parallel.models.qwen3_5_v2 import build_from_pretrained
+from hyper_parallel.models.qwen3_5_v2 import save_pretrained as _save_pretrained
+from hyper_parallel.protocols.model_spec import ModelSpec, default_data_facts, register_spec
+
+__all__ = [
+    "CheckpointKeyError",
+    "Qwen3_5MoeModel",
+    "Qwen3_5MoeStateDictAdapter",
+    "Qwen3_5MoeTransformerBlock",
+    "from_pretrained",
+    "qwen3_5_moe_config",
+    "save_pretrained",
+]
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    **config_overrides: Any,
+) -> Qwen3_5MoeModel:
+    """A ``Qwen3_5MoeModel`` from an HF ``Qwen3_5MoeForCausalLM`` or ``Qwen3_5MoeForConditionalGeneration`` folder."""
+    return build_from_pretrained(Qwen3_5MoeModel, path, dtype=dtype, device=device, **config_overrides)
+
+
+def save_pretrained(
+    model: Qwen3_5MoeModel,
+    path: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    text_only: bool | None = None,
+    dtype: torch.dtype | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> list[str]:
+    """Write ``model`` (or ``state_dict``) as an HF folder: the layout it was loaded from (``Qwen3_5MoeForCausalLM``
+    for a model built from a recipe), per-expert keys."""
+    return _save_pretrained(
+        model, path, max_shard_size=max_shard_size, text_only=text_only, dtype=dtype, state_dict=state_dict
+    )
+
+
+def _parallelize(model: Qwen3_5MoeModel, **kwargs: Any) -> Qwen3_5MoeModel:
+    from hyper_parallel.models.qwen3_5_moe_v2.parallelize import parallelize_qwen3_5_moe
+
+    return parallelize_qwen3_5_moe(model, **kwargs)
+
+
+def _validate_layout(config: Any, parallel_dims: Any) -> None:
+    from hyper_parallel.models.qwen3_5_moe_v2.parallelize import validate_qwen3_5_moe_layout
+
+    validate_qwen3_5_moe_layout(config, parallel_dims)
+
+
+QWEN3_5_MOE_SPEC = ModelSpec(
+    name="qwen3_5_moe",
+    model=Qwen3_5MoeModel,
+    parallelize_fn=_parallelize,
+    state_dict_adapter=Qwen3_5MoeStateDictAdapter,
+    flavor="qwen3_5_moe_debug",
+    from_pretrained=from_pretrained,
+    save_pretrained=save_pretrained,
+    load_hf_weights=load_hf_weights,
+    validate_layout=_validate_layout,
+    data_sources=("text", "preset_pt", "dummy"),
+    data_facts=default_data_facts,  # the text source checks token ids against vocab_size
+)
+register_spec("qwen3_5_moe", QWEN3_5_MOE_SPEC, aliases=("qwen3_5_moe_v2",))

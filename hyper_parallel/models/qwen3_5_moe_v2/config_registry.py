@@ -1,0 +1,73 @@
+"""Recipes of Qwen3.5-MoE runs: plain functions returning ``Trainer.Config``; variants call and change another.
+
+    python -m hyper_parallel.train --module qwen3_5_moe --config qwen3_5_moe_debug
+"""
+
+from __future__ import annotations
+
+from hyper_parallel.components import CheckpointManager, LRSchedulersContainer, MetricsProcessor, OptimizersContainer
+from hyper_parallel.config import ParallelismConfig, TrainingConfig
+from hyper_parallel.data import HuggingFaceTextDataLoader
+from hyper_parallel.models.qwen3_5_moe_v2.model import qwen3_5_moe_config
+from hyper_parallel.trainer import Trainer
+
+__all__ = ["qwen3_5_moe_a3b", "qwen3_5_moe_a3b_ep8", "qwen3_5_moe_debug"]
+
+
+def qwen3_5_moe_debug() -> Trainer.Config:
+    """Tiny Qwen3.5-MoE (3 DeltaNet + 1 gated-attention layer, 8 experts) that trains on a laptop CPU."""
+    model = qwen3_5_moe_config(
+        vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=(2, 1, 1),
+        router_aux_loss_coef=0.001, max_position_embeddings=4096,
+    )  # fmt: skip
+    return Trainer.Config(
+        model_spec="qwen3_5_moe",
+        model=model,
+        training=TrainingConfig(steps=120, max_norm=1.0),
+        # path "" = the embedded toy text corpus and its 512-id tokenizer (no download).
+        data=HuggingFaceTextDataLoader.Config(
+            source="text", max_tokens_per_microbatch=512, global_batch_tokens=1024, shuffle_buffer=256, split_long_documents=True
+        ),
+        optimizer=OptimizersContainer.Config(name="adamw", lr=3e-3, weight_decay=0.01),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=10, decay_type="cosine", min_lr_ratio=0.1),
+        checkpoint=CheckpointManager.Config(enable=True, interval=50, keep_latest_k=2, export_hf=True, export_dtype="float32"),
+        metrics=MetricsProcessor.Config(log_freq=10),
+    )
+
+
+def qwen3_5_moe_a3b() -> Trainer.Config:
+    """Qwen3.5-35B-A3B text dimensions (34.66B total, ~3.45B active), bf16 FSDP.
+
+    From the HF config defaults and the reference doc section 6: hidden 2048, 40 layers (3 DeltaNet : 1
+    attention), 16 q / 2 kv heads of 256, rotary 0.25 with mrope (11, 11, 10), DeltaNet Hk 16 / Hv 32 of
+    128, conv 4, 256 experts top-8 of 512, shared expert 512, vocab 248320, untied head. ``rope_theta`` 1e7
+    is the released value reported by third parties (HF's default is 1e4): always load the checkpoint's.
+    """
+    model = qwen3_5_moe_config(
+        vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, rope_theta=1e7, partial_rotary_factor=0.25,
+        mrope_section=(11, 11, 10), rms_norm_eps=1e-6, max_position_embeddings=262144,
+    )  # fmt: skip
+    return Trainer.Config(
+        model_spec="qwen3_5_moe",
+        model=model,
+        training=TrainingConfig(steps=10000, max_norm=1.0, mixed_precision_param="bfloat16"),
+        parallelism=ParallelismConfig(data_parallel_shard_degree=-1),
+        data=HuggingFaceTextDataLoader.Config(source="text", max_tokens_per_microbatch=8192, global_batch_tokens=0, num_workers=2),
+        optimizer=OptimizersContainer.Config(name="adamw", lr=2e-5, weight_decay=0.1),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=200, decay_type="cosine", min_lr_ratio=0.1),
+        checkpoint=CheckpointManager.Config(enable=True, interval=500, keep_latest_k=3, async_mode="async"),
+        metrics=MetricsProcessor.Config(log_freq=10),
+    )
+
+
+def qwen3_5_moe_a3b_ep8() -> Trainer.Config:
+    """``qwen3_5_moe_a3b`` with the 256 routed experts spread over 8 expert-parallel ranks."""
+    cfg = qwen3_5_moe_a3b()
+    cfg.parallelism.expert_parallel_degree = 8
+    return cfg

@@ -1,0 +1,26 @@
+"""Qwen3.5-MoE <-> HF checkpoint keys: the Qwen3.5 family's mapping (``qwen3_5_v2.state_dict``), under the
+MoE package's names. Experts: per-expert (what HF writes) or fused keys in, per-expert keys out."""
+
+from __future__ import annotations
+
+from hyper_parallel.models.qwen3_5_v2.state_dict import (
+    CheckpointKeyError,
+    HFLoadResult,
+    Qwen3_5StateDictAdapter,
+    load_hf_weights,
+    read_hf_config,
+    save_hf_state_dict,
+)
+
+__all__ = [
+    "CheckpointKeyError",
+    "HFLoadResult",
+    "Qwen3_5MoeStateDictAdapter",
+    "load_hf_weights",
+    "read_hf_config",
+    "save_hf_state_dict",
+]
+
+
+class Qwen3_5MoeStateDictAdapter(Qwen3_5StateDictAdapter):
+    """Qwen3.5-MoE state dict <-> HF ``Qwen3_5MoeForCausalLM`` / ``Qwen3_5MoeForConditionalGeneration`` keys."""

@@ -1,0 +1,117 @@
+"""Qwen3.5 dense (v2 model package): hybrid Gated DeltaNet / gated attention layers with SwiGLU MLPs.
+
+Registers the ``qwen3_5`` spec (alias ``qwen3_5_v2``) and offers HF I/O: ``from_pretrained(path)`` reads a
+``Qwen3_5ForCausalLM`` folder or the text part of a ``Qwen3_5ForConditionalGeneration`` folder (its
+``model.visual.*`` / ``mtp.*`` keys are kept and written back); ``save_pretrained(model, path)`` writes the
+format the model was loaded from (``Qwen3_5ForCausalLM`` for a model built from a recipe).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, TypeVar
+
+import torch
+
+from hyper_parallel.models.qwen3_5_v2.model import Qwen3_5Model, Qwen3_5TransformerBlock, qwen3_5_config
+from hyper_parallel.models.qwen3_5_v2.state_dict import (
+    CheckpointKeyError,
+    Qwen3_5StateDictAdapter,
+    load_hf_weights,
+    read_hf_config,
+    save_hf_state_dict,
+)
+from hyper_parallel.protocols.model_spec import ModelSpec, default_data_facts, register_spec
+
+__all__ = [
+    "CheckpointKeyError",
+    "Qwen3_5Model",
+    "Qwen3_5StateDictAdapter",
+    "Qwen3_5TransformerBlock",
+    "from_pretrained",
+    "qwen3_5_config",
+    "save_pretrained",
+]
+
+M = TypeVar("M", bound=Qwen3_5Model)
+
+
+def build_from_pretrained(
+    model_cls: type[M], path: str | os.PathLike, *, dtype: torch.dtype, device: str | torch.device, **overrides: Any
+) -> M:
+    """Build ``model_cls`` from an HF folder's config, then load its weights (every key checked)."""
+    config = model_cls.Config.from_hf(read_hf_config(path))
+    if overrides:
+        config = dataclasses.replace(config, **overrides)
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device=device)
+    model.init_weights()
+    load_hf_weights(model, path)
+    return model.to(dtype=dtype)
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    **config_overrides: Any,
+) -> Qwen3_5Model:
+    """A ``Qwen3_5Model`` from an HF ``Qwen3_5ForCausalLM`` or ``Qwen3_5ForConditionalGeneration`` folder."""
+    return build_from_pretrained(Qwen3_5Model, path, dtype=dtype, device=device, **config_overrides)
+
+
+def save_pretrained(
+    model: Qwen3_5Model,
+    path: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    text_only: bool | None = None,
+    dtype: torch.dtype | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> list[str]:
+    """Write ``model`` (or ``state_dict``, e.g. EMA weights) as an HF folder with ``config.json``.
+
+    ``text_only`` default: the ConditionalGeneration layout (with the kept visual/mtp keys) iff the model was
+    loaded from one, else ``Qwen3_5(Moe)ForCausalLM``. Experts are written per expert (what HF writes).
+    """
+    return save_hf_state_dict(
+        model.config,
+        state_dict if state_dict is not None else model.state_dict(),
+        path,
+        max_shard_size=max_shard_size,
+        text_only=text_only,
+        passthrough=getattr(model, "hf_passthrough", None),
+        dtype=dtype,
+    )
+
+
+def _parallelize(model: Qwen3_5Model, **kwargs: Any) -> Qwen3_5Model:
+    # parallelize.py imports the distributed stack; keep `import hyper_parallel.models.qwen3_5_v2` light.
+    from hyper_parallel.models.qwen3_5_v2.parallelize import parallelize_qwen3_5
+
+    return parallelize_qwen3_5(model, **kwargs)
+
+
+def _validate_layout(config: Any, parallel_dims: Any) -> None:
+    from hyper_parallel.models.qwen3_5_v2.parallelize import validate_qwen3_5_layout
+
+    validate_qwen3_5_layout(config, parallel_dims)
+
+
+QWEN3_5_SPEC = ModelSpec(
+    name="qwen3_5",
+    model=Qwen3_5Model,
+    parallelize_fn=_parallelize,
+    state_dict_adapter=Qwen3_5StateDictAdapter,
+    flavor="qwen3_5_debug",
+    from_pretrained=from_pretrained,
+    save_pretrained=save_pretrained,
+    load_hf_weights=load_hf_weights,
+    validate_layout=_validate_layout,
+    data_sources=("text", "preset_pt", "dummy"),
+    data_facts=default_data_facts,  # the text source checks token ids against vocab_size
+)
+register_spec("qwen3_5", QWEN3_5_SPEC, aliases=("qwen3_5_v2",))

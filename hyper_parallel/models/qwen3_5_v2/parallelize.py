@@ -1,0 +1,111 @@
+"""Parallelise a Qwen3.5 model (dense or MoE): CP -> AC -> TP/SP -> EP -> compile -> FSDP2 (see
+``hyper_parallel.distributed.parallelize``). This file supplies only the model's facts: its layout
+checks, its declared placements (``sharding.py``) and its FSDP units.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hyper_parallel.config.manager import ConfigError
+from hyper_parallel.config.parallelism import ParallelismConfig
+from hyper_parallel.config.training import ActivationCheckpointConfig, CompileConfig, TrainingConfig
+from hyper_parallel.distributed.parallel_dims import ParallelDims
+from hyper_parallel.distributed.parallelize import declared_shardings, parallelize_decoder
+from hyper_parallel.models.common.feed_forward import FeedForward
+from hyper_parallel.models.common.gated_attention import GatedAttention
+from hyper_parallel.models.common.gated_deltanet import GatedDeltaNet
+from hyper_parallel.models.common.moe import MoE
+from hyper_parallel.models.qwen3_5_v2.model import Qwen3_5Model
+from hyper_parallel.models.qwen3_5_v2.sharding import set_qwen3_5_sharding_config
+
+__all__ = ["parallelize_qwen3_5", "validate_qwen3_5_layout"]
+
+_P = "--parallelism."
+
+
+def validate_qwen3_5_layout(config: Qwen3_5Model.Config, parallel_dims: ParallelDims) -> None:
+    """Check the layout against the model; ``ConfigError`` names the degree (or field) to change.
+
+    TP and Ulysses CP split heads: they must divide the gated attention's query and key/value heads and
+    Gated DeltaNet's key (Hk) and value (Hv) heads. Gated DeltaNet layers run without TP and CP for now.
+    """
+    attn = next((layer.self_attn for layer in config.layers if isinstance(layer.self_attn, GatedAttention.Config)), None)
+    gdn = next((layer.self_attn for layer in config.layers if isinstance(layer.self_attn, GatedDeltaNet.Config)), None)
+    if gdn is not None:
+        for name, value in (("linear_num_key_heads", gdn.num_k_heads), ("linear_num_value_heads", gdn.num_v_heads)):
+            if value % (parallel_dims.tp * parallel_dims.cp):
+                raise ConfigError(
+                    f"tensor_parallel_degree ({parallel_dims.tp}) x context_parallel_degree ({parallel_dims.cp}) "
+                    f"does not divide the Gated DeltaNet {name} ({value}): set {_P}tensor_parallel_degree and "
+                    f"{_P}context_parallel_degree so their product divides {value}"
+                )
+        for degree, name in ((parallel_dims.tp, "tensor_parallel_degree"), (parallel_dims.cp, "context_parallel_degree")):
+            if degree > 1:
+                raise ConfigError(
+                    f"{name} is {degree} but Gated DeltaNet layers do not support it yet: set {_P}{name} to 1 "
+                    "(use FSDP/HSDP and expert parallel for this model)"
+                )
+    moes = [layer.mlp for layer in config.layers if isinstance(layer.mlp, MoE.Config)]
+    tp_dims: dict[str, int] = {}
+    for i, layer in enumerate(config.layers):
+        mlp = layer.mlp
+        ffn = mlp if isinstance(mlp, FeedForward.Config) else getattr(mlp, "shared_experts", None)
+        if ffn is not None:
+            name = "intermediate_size" if ffn is mlp else "shared_expert_intermediate_size"
+            tp_dims.setdefault(name, ffn.hidden_dim)
+    efsdp_dims = {}
+    if moes:
+        efsdp_dims = {"2 x moe_intermediate_size": 2 * moes[0].experts.hidden_dim, "hidden_size": config.dim}
+    parallel_dims.validate_model(
+        n_heads=attn.n_heads if attn is not None else 1,
+        n_kv_heads=attn.n_kv_heads if attn is not None else None,
+        n_routed_experts=moes[0].num_experts if moes else None,
+        tp_dims=tp_dims,
+        efsdp_dims=efsdp_dims,
+    )
+
+
+def parallelize_qwen3_5(
+    model: Qwen3_5Model,
+    *,
+    parallel_dims: ParallelDims,
+    training: TrainingConfig,
+    parallelism: ParallelismConfig,
+    ac_config: ActivationCheckpointConfig,
+    compile_config: CompileConfig,
+    set_sharding: Callable[..., Any] = set_qwen3_5_sharding_config,
+) -> Qwen3_5Model:
+    """Apply the layout of ``parallel_dims`` to ``model`` in place (meta or materialised) and return it.
+
+    Gradients are SUMMED over data-parallel ranks: normalise the loss by the global token count.
+    """
+    validate_qwen3_5_layout(model.config, parallel_dims)
+    declared = declared_shardings(
+        set_sharding(
+            model.config,
+            loss_parallel=parallel_dims.loss_parallel_enabled,
+            enable_sp=parallel_dims.sp_enabled,
+            ep_degree=parallel_dims.ep,
+        )
+    )
+    carried = declared_shardings(model.config)
+    if carried and carried != declared:
+        differ = sorted(k for k in carried.keys() | declared.keys() if carried.get(k) != declared.get(k))
+        raise ValueError(
+            f"the model was built from a config sharded for another layout (first differences: {differ[:3]}): "
+            "build it from the unsharded config or from this run's sharding config"
+        )
+    return parallelize_decoder(
+        model,
+        declared=declared,
+        parallel_dims=parallel_dims,
+        training=training,
+        parallelism=parallelism,
+        ac_config=ac_config,
+        compile_config=compile_config,
+        layers=model.layers,
+        embeddings=[model.embed_tokens],
+        head=[model.lm_head],
+    )

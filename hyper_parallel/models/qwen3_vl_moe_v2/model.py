@@ -1,0 +1,367 @@
+"""Qwen3-VL-MoE and Qwen3.5-MoE vision-language models: ``VisionTower`` + a text ``Decoder``.
+
+Legend: B batch, T tokens, D text hidden size, M merged visual tokens of the batch (all images).
+
+    h_BTD          = embed_tokens(input_ids);  h[image tokens] = visual.merger(pixels)      (in sequence order)
+    layer i:  h    = layer_i(h, M-RoPE positions [3, B, T])
+              h[image tokens] += deepstack[i]          for i < len(deepstack)   (Qwen3-VL only)
+    logits         = lm_head(norm(h))
+
+One package, two text families (``text_family``; the layers' configs say which):
+
+- ``qwen3_vl_moe`` (HF ``Qwen3VLMoeForConditionalGeneration``): GQA with Llama-style q/k RMSNorm, full-rotary
+  interleaved M-RoPE, softmax top-k router always renormalised, dense SwiGLU layers from ``mlp_only_layers``
+  / ``decoder_sparse_step``, deepstack mergers in the tower.
+- ``qwen3_5_moe`` (HF ``Qwen3_5MoeForConditionalGeneration``): the Qwen3.5-MoE hybrid stack (Gated DeltaNet
+  / gated attention, zero-centred norms, shared expert), no deepstack.
+
+M-RoPE positions: when ``position_ids`` is None they are computed per document (HF ``get_rope_index``;
+in packed rows every document restarts at 0). A micro-batch without images still runs the tower on one
+``m x m`` dummy patch grid and adds ``0 *`` its output, so every rank calls the same FSDP units (and the
+gradients of the tower are exact zeros rather than missing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, ClassVar, Literal
+
+import numpy as np
+import torch
+import tyro
+
+from hyper_parallel.data.vision_language.mrope import mrope_position_ids
+from hyper_parallel.models.common.attention import AttentionMeta, VarlenAttention
+from hyper_parallel.models.common.block import TransformerBlock
+from hyper_parallel.models.common.decoder import Decoder
+from hyper_parallel.models.common.embedding import Embedding
+from hyper_parallel.models.common.feed_forward import FeedForward
+from hyper_parallel.models.common.gated_attention import GatedAttention
+from hyper_parallel.models.common.gated_deltanet import GatedDeltaNet
+from hyper_parallel.models.common.gqa import GQAttention
+from hyper_parallel.models.common.linear import Linear
+from hyper_parallel.models.common.moe import GroupedExperts, MoE, Router
+from hyper_parallel.models.common.rmsnorm import RMSNorm
+from hyper_parallel.models.common.rope import RoPE
+from hyper_parallel.models.qwen3_vl_moe_v2.vision import VisionTower, vision_tower_config
+from hyper_parallel.protocols.model import ModelOutput
+from hyper_parallel.protocols.param_init import NormalInit
+
+__all__ = ["Qwen3VlMoeModel", "TextFamily", "qwen3_5_moe_vl_config", "qwen3_vl_moe_config", "text_family_of"]
+
+TextFamily = Literal["qwen3_vl_moe", "qwen3_5_moe"]
+
+
+def text_family_of(config: Decoder.Config) -> TextFamily:
+    """``qwen3_5_moe`` when the layers are Qwen3.5 mixers (gated attention / Gated DeltaNet), else ``qwen3_vl_moe``."""
+    mixers = (GatedAttention.Config, GatedDeltaNet.Config)
+    return "qwen3_5_moe" if any(isinstance(layer.self_attn, mixers) for layer in config.layers) else "qwen3_vl_moe"
+
+
+class Qwen3VlMoeModel(Decoder):
+    """A vision-language MoE model; ``model(input_ids, pixel_values=, image_grid_thw=)`` returns logits."""
+
+    input_keys: ClassVar[tuple[str, ...]] = ("pixel_values", "image_grid_thw")
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Decoder.Config):
+        visual: VisionTower.Config
+        """The vision tower (its output width is the text ``dim``)."""
+        image_token_id: int
+        """Placeholder id of one merged visual token (HF ``image_token_id``)."""
+        vision_start_token_id: int
+        """Id of the token before every image (HF ``vision_start_token_id``)."""
+        vision_end_token_id: int
+        """Id of the token after every image (HF ``vision_end_token_id``)."""
+        video_token_id: int = -1
+        """HF ``video_token_id`` (kept for the HF config; videos are not modelled yet)."""
+        freeze_vision: bool = False
+        """Keep the vision tower frozen: no gradient, never updated, ignored by FSDP (whole on every rank)."""
+        freeze_text: bool = False
+        """Keep the text decoder (embeddings, layers, norm, head) frozen: train the vision tower only."""
+        max_position_embeddings: int = 262144
+        """Longest position the checkpoint was trained for (kept for the HF config)."""
+        hf_extra: Annotated[dict[str, Any], tyro.conf.Suppress] = field(default_factory=dict)
+        """HF config fields not modelled here, written back unchanged on export."""
+
+        @property
+        def text_family(self) -> TextFamily:
+            """Which HF text model the layers are (see the module docstring)."""
+            return text_family_of(self)
+
+        @classmethod
+        def from_hf(cls, hf: dict[str, Any]) -> Qwen3VlMoeModel.Config:
+            """From an HF ``config.json`` dict (``qwen3_vl_moe`` or ``qwen3_5_moe`` with text and vision configs)."""
+            from hyper_parallel.models.qwen3_vl_moe_v2.state_dict import config_from_hf
+
+            return config_from_hf(hf)
+
+        def to_hf(self) -> dict[str, Any]:
+            """The HF ``config.json`` dict (``Qwen3VLMoe`` / ``Qwen3_5Moe`` ``ForConditionalGeneration``)."""
+            from hyper_parallel.models.qwen3_vl_moe_v2.state_dict import config_to_hf
+
+            return config_to_hf(self)
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.visual = config.visual.build(out_dim=config.dim)
+        n_deep = len(config.visual.deepstack_visual_indexes)
+        if n_deep > len(config.layers):
+            raise ValueError(
+                f"{n_deep} deepstack levels but only {len(config.layers)} text layers: shorten "
+                "visual.deepstack_visual_indexes"
+            )
+        self.hf_passthrough: dict = {}
+        """HF keys we do not model (e.g. ``mtp.*``), written back unchanged by save_pretrained."""
+        self.hf_experts_layout: str = "memory"
+        """Fused-expert layout of the HF folder this model was loaded from (``hub`` or ``memory``), written back."""
+        self._apply_freeze()
+
+    def _apply_freeze(self) -> None:
+        c = self.config
+        if c.freeze_vision:
+            self.visual.requires_grad_(False)
+        if c.freeze_text:
+            for module in (self.embed_tokens, self.layers, self.norm, self.lm_head):
+                module.requires_grad_(False)
+
+    def init_weights(self) -> None:  # keep frozen parts frozen after a re-init
+        super().init_weights()
+        self._apply_freeze()
+
+    # ---- vision ----------------------------------------------------------------------------------
+
+    def _vision(
+        self, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None, device: torch.device
+    ) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
+        """``(merged [M, D], deepstack features, real)``; ``real`` False = the dummy grid of a text-only batch."""
+        has_images = pixel_values is not None and image_grid_thw is not None and image_grid_thw.numel() > 0
+        if has_images:
+            return (*self.visual(pixel_values, image_grid_thw), True)
+        v = self.visual.config
+        m = v.spatial_merge_size
+        dtype = self.visual.patch_embed.proj.weight.dtype
+        dummy = torch.zeros(m * m, self.visual.patch_dim, device=device, dtype=dtype)
+        return (*self.visual(dummy, [[1, m, m]]), False)
+
+    def embed(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+        """``(h [B, T, D], flat image-token indices or None, deepstack features)``; image tokens carry the merger output."""
+        h_BTD = self.embed_tokens(input_ids)
+        B, T, D = h_BTD.shape
+        merged, deep, real = self._vision(pixel_values, image_grid_thw, h_BTD.device)
+        if not real:  # zero contribution, but the tower and its FSDP units still ran on every rank
+            zero = merged.sum() + sum((d.sum() for d in deep), merged.new_zeros(()))
+            return h_BTD + 0.0 * zero.to(h_BTD.dtype), None, []
+        idx = torch.nonzero(input_ids.reshape(-1) == self.config.image_token_id).squeeze(-1)
+        if idx.numel() != merged.shape[0]:
+            raise ValueError(
+                f"input_ids hold {idx.numel()} image tokens (id {self.config.image_token_id}) but image_grid_thw "
+                f"{image_grid_thw.tolist()} gives {merged.shape[0]} merged visual tokens: each image needs "
+                "t*h*w/merge_size**2 placeholders"
+            )
+        h = h_BTD.reshape(B * T, D).index_copy(0, idx, merged.to(h_BTD.dtype)).view(B, T, D)
+        return h, idx, [d.to(h_BTD.dtype) for d in deep]
+
+    # ---- positions -------------------------------------------------------------------------------
+
+    def mrope_positions(
+        self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, cu_seqlens: torch.Tensor | None
+    ) -> torch.Tensor:
+        """int64 ``[3, B, T]`` M-RoPE positions, per document (rows, or ``cu_seqlens`` documents of the flat stream)."""
+        B, T = input_ids.shape
+        ids = input_ids.reshape(-1).cpu().numpy()
+        grids = np.zeros((0, 3), np.int64) if image_grid_thw is None else image_grid_thw.cpu().numpy().reshape(-1, 3)
+        bounds = cu_seqlens.tolist() if cu_seqlens is not None else list(range(0, B * T + 1, T))
+        out = np.empty((3, B * T), np.int64)
+        is_image = ids == self.config.image_token_id
+        used = 0
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            doc = is_image[lo:hi]
+            runs = int(doc[0]) + int(np.count_nonzero(doc[1:] & ~doc[:-1])) if hi > lo else 0
+            out[:, lo:hi] = mrope_position_ids(
+                ids[lo:hi], grids[used : used + runs], image_token_id=self.config.image_token_id,
+                merge_size=self.config.visual.spatial_merge_size,
+            )  # fmt: skip
+            used += runs
+        if used != len(grids):
+            raise ValueError(f"input_ids hold {used} image-token run(s) but image_grid_thw has {len(grids)} image(s)")
+        return torch.from_numpy(out).view(3, B, T).to(input_ids.device)
+
+    # ---- forward ---------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+    ) -> torch.Tensor | ModelOutput:
+        """``[B, T]`` ids (+ ``pixel_values [N, P]``, ``image_grid_thw [n, 3]``) -> logits ``[B, T, vocab]``.
+
+        ``position_ids``: ``[3, B, T]`` M-RoPE rows (or ``[B, T]``); None computes them from the grids.
+        Returns ``ModelOutput(logits, aux_loss)`` when an MoE layer produced an auxiliary loss.
+        """
+        if position_ids is None:
+            position_ids = self.mrope_positions(input_ids, image_grid_thw, cu_seqlens)
+        h, idx, deep = self.embed(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw)
+        B, T, D = h.shape
+        meta = AttentionMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        aux_loss = None
+        for i, layer in enumerate(self.layers):
+            h = layer(h, position_ids=position_ids, meta=meta)
+            aux = layer.pop_aux_loss()
+            if aux is not None:
+                aux_loss = aux if aux_loss is None else aux_loss + aux
+            if i < len(deep):  # deepstack: the tower's intermediate features join after the first layers
+                h = h.reshape(B * T, D).index_add(0, idx, deep[i]).view(B, T, D)
+        logits = self.head(h)
+        return logits if aux_loss is None else ModelOutput(logits, aux_loss)
+
+    def get_nparams_and_flops(self, seq_len: int) -> tuple[int, float]:
+        """Decoder counts plus the vision tower's parameters (its FLOPs are per image, not per token: not added)."""
+        return super().get_nparams_and_flops(seq_len)
+
+
+# ---- builders --------------------------------------------------------------------------------------
+
+
+def _linear(std: float, bias: bool = False) -> Linear.Config:
+    return Linear.Config(bias=bias, param_init=NormalInit.Config(std=std))
+
+
+def qwen3_vl_moe_config(
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    num_hidden_layers: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    head_dim: int | None = None,
+    intermediate_size: int,
+    num_experts: int,
+    num_experts_per_tok: int,
+    moe_intermediate_size: int,
+    decoder_sparse_step: int = 1,
+    mlp_only_layers: Sequence[int] = (),
+    router_aux_loss_coef: float = 0.0,
+    rope_theta: float = 5e6,
+    mrope_section: Sequence[int] = (24, 20, 20),
+    rms_norm_eps: float = 1e-6,
+    attention_bias: bool = False,
+    initializer_range: float = 0.02,
+    pad_token_id: int | None = None,
+    max_position_embeddings: int = 262144,
+    grouped_mm_impl: str = "auto",
+    attention_backend: Literal["auto", "sdpa", "flash"] = "auto",
+    vision: dict[str, Any],
+    image_token_id: int,
+    vision_start_token_id: int,
+    vision_end_token_id: int,
+    video_token_id: int = -1,
+    freeze_vision: bool = False,
+    freeze_text: bool = False,
+    hf_extra: dict[str, Any] | None = None,
+) -> Qwen3VlMoeModel.Config:
+    """The Qwen3-VL-MoE config tree from HF-style text hyper-parameters and ``vision`` (``vision_tower_config`` kwargs).
+
+    Layer ``i`` is an MoE iff ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0`` (HF).
+    """
+    head_dim = head_dim or hidden_size // num_attention_heads
+    std = initializer_range
+
+    def norm() -> RMSNorm.Config:
+        return RMSNorm.Config(eps=rms_norm_eps)
+
+    def mlp(i: int) -> FeedForward.Config | MoE.Config:
+        if i in set(mlp_only_layers) or num_experts <= 0 or (i + 1) % decoder_sparse_step:
+            return FeedForward.Config(
+                hidden_dim=intermediate_size, gate_proj=_linear(std), up_proj=_linear(std), down_proj=_linear(std)
+            )
+        return MoE.Config(
+            num_experts=num_experts,
+            gate=Router.Config(top_k=num_experts_per_tok, score_func="softmax", norm_topk_prob=True,
+                               use_bias_correction=False, param_init=NormalInit.Config(std=std)),
+            experts=GroupedExperts.Config(hidden_dim=moe_intermediate_size, grouped_mm_impl=grouped_mm_impl,
+                                          param_init=NormalInit.Config(std=std)),
+            shared_experts=None,
+            router_aux_loss_coef=router_aux_loss_coef,
+        )  # fmt: skip
+
+    def attn() -> GQAttention.Config:
+        return GQAttention.Config(
+            n_heads=num_attention_heads, n_kv_heads=num_key_value_heads, head_dim=head_dim,
+            q_proj=_linear(std, attention_bias), k_proj=_linear(std, attention_bias),
+            v_proj=_linear(std, attention_bias), o_proj=_linear(std, attention_bias),
+            q_norm=norm(), k_norm=norm(),
+            rope=RoPE.Config(theta=rope_theta, layout="half", mrope_section=tuple(mrope_section)),
+            inner_attention=VarlenAttention.Config(backend=attention_backend),
+        )  # fmt: skip
+
+    layers = [
+        TransformerBlock.Config(self_attn=attn(), mlp=mlp(i), input_layernorm=norm(), post_attention_layernorm=norm())
+        for i in range(num_hidden_layers)
+    ]
+    return Qwen3VlMoeModel.Config(
+        vocab_size=vocab_size,
+        dim=hidden_size,
+        layers=layers,
+        embed_tokens=Embedding.Config(padding_idx=pad_token_id, param_init=NormalInit.Config(std=std)),
+        norm=norm(),
+        lm_head=_linear(std),
+        visual=vision_tower_config(**vision),
+        image_token_id=image_token_id,
+        vision_start_token_id=vision_start_token_id,
+        vision_end_token_id=vision_end_token_id,
+        video_token_id=video_token_id,
+        freeze_vision=freeze_vision,
+        freeze_text=freeze_text,
+        max_position_embeddings=max_position_embeddings,
+        hf_extra=dict(hf_extra or {}),
+    )
+
+
+def qwen3_5_moe_vl_config(
+    *,
+    vision: dict[str, Any],
+    image_token_id: int,
+    vision_start_token_id: int,
+    vision_end_token_id: int,
+    video_token_id: int = -1,
+    freeze_vision: bool = False,
+    freeze_text: bool = False,
+    hf_extra: dict[str, Any] | None = None,
+    **text: Any,
+) -> Qwen3VlMoeModel.Config:
+    """The Qwen3.5-MoE VL config tree: ``qwen3_5_moe_config(**text)`` layers + the tower (no deepstack)."""
+    from hyper_parallel.models.qwen3_5_moe_v2.model import qwen3_5_moe_config
+
+    if vision.get("deepstack_visual_indexes"):
+        raise ValueError("Qwen3.5-MoE has no deepstack: leave vision deepstack_visual_indexes empty")
+    t = qwen3_5_moe_config(**text)
+    return Qwen3VlMoeModel.Config(
+        vocab_size=t.vocab_size,
+        dim=t.dim,
+        layers=t.layers,
+        embed_tokens=t.embed_tokens,
+        norm=t.norm,
+        lm_head=t.lm_head,
+        max_position_embeddings=t.max_position_embeddings,
+        visual=vision_tower_config(**vision),
+        image_token_id=image_token_id,
+        vision_start_token_id=vision_start_token_id,
+        vision_end_token_id=vision_end_token_id,
+        video_token_id=video_token_id,
+        freeze_vision=freeze_vision,
+        freeze_text=freeze_text,
+        hf_extra=dict(hf_extra or {}),
+    )

@@ -1,0 +1,350 @@
+"""Qwen3-VL-MoE / Qwen3.5-MoE VL <-> HF ``*ForConditionalGeneration`` folders (reference doc 1.10, 3.5).
+
+Ours (in memory)                          HF
+  visual.*                                  model.visual.*   (``patch_embed.proj.weight``: ours [C, P], HF Conv3d)
+  embed_tokens / layers.* / norm            model.language_model.*
+  lm_head.weight                            lm_head.weight
+
+Text layers, per family:
+- ``qwen3_vl_moe``: names equal HF's. Fused experts: ours ``gate_up_proj [E, 2I, H]`` (gate rows first),
+  ``down_proj [E, H, I]``. Hub checkpoints (made by transformers 4.x) store them TRANSPOSED (``[E, H, 2I]``,
+  ``[E, I, H]``); transformers 5.x ``save_pretrained`` writes the in-memory layout. Which one a folder
+  holds is decided by its ``config.json`` (``transformers_version`` < 5: ``hub``), or given explicitly
+  (``experts_layout=``) - never by comparing shapes, which cannot tell them apart when ``H == 2I``.
+  A folder is written back in the layout it was read in (``model.hf_experts_layout``), with a
+  ``transformers_version`` that says so.
+- ``qwen3_5_moe``: the Qwen3.5 mapping (``qwen3_5_v2.state_dict``): ``linear_attn`` / ``shared_expert``
+  names, per-expert keys (fused ones also read), per-expert keys written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from hyper_parallel.models.qwen3_5_v2.state_dict import CheckpointKeyError, Qwen3_5StateDictAdapter, read_hf_config
+from hyper_parallel.protocols.state_dict_adapter import BaseStateDictAdapter, read_safetensors, write_safetensors
+
+if TYPE_CHECKING:
+    from hyper_parallel.models.qwen3_vl_moe_v2.model import Qwen3VlMoeModel
+
+__all__ = [
+    "CheckpointKeyError",
+    "ExpertsLayout",
+    "Qwen3VlMoeStateDictAdapter",
+    "config_from_hf",
+    "config_to_hf",
+    "experts_layout_of",
+    "load_hf_weights",
+    "read_hf_config",
+    "save_hf_state_dict",
+]
+
+ExpertsLayout = Literal["hub", "memory"]
+_LM, _VIS = "model.language_model.", "model.visual."
+_PASSTHROUGH = ("mtp.",)
+_FUSED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
+def experts_layout_of(hf_config: dict[str, Any]) -> ExpertsLayout:
+    """``hub`` (transposed fused experts) for a folder written by transformers 4.x (or with no version), else ``memory``."""
+    version = str(hf_config.get("transformers_version") or "4")
+    try:
+        major = int(version.split(".")[0])
+    except ValueError as e:
+        raise ValueError(f"config.json transformers_version={version!r} is not a version: pass experts_layout=") from e
+    return "hub" if major < 5 else "memory"
+
+
+class Qwen3VlMoeStateDictAdapter(BaseStateDictAdapter):
+    """Our state dict <-> HF ``Qwen3VLMoeForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration`` keys."""
+
+    def __init__(self, model_config: Any, *, experts_layout: ExpertsLayout = "memory", **runtime_objects: Any) -> None:
+        super().__init__(model_config, **runtime_objects)
+        from hyper_parallel.models.qwen3_vl_moe_v2.vision import VisionTower
+
+        self.family = model_config.text_family
+        self.experts_layout = experts_layout
+        # A meta tower only for the Conv3d <-> Linear reshape (it needs no weights).
+        with torch.device("meta"):
+            self._tower = VisionTower(model_config.visual, out_dim=model_config.dim)
+        self._qwen3_5 = Qwen3_5StateDictAdapter(model_config) if self.family == "qwen3_5_moe" else None
+
+    # ---- ours -> HF -------------------------------------------------------------------------
+    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        vis = {k[len("visual.") :]: v for k, v in state_dict.items() if k.startswith("visual.")}
+        text = {k: v for k, v in state_dict.items() if not k.startswith("visual.")}
+        out = {_VIS + k: v for k, v in self._tower.ours_to_hf_(vis).items()}
+        if self._qwen3_5 is not None:
+            out.update(self._qwen3_5.to_hf(text, text_only=False))
+            return out
+        for key, t in text.items():
+            if key == "lm_head.weight":
+                out[key] = t
+                continue
+            if key.endswith(_FUSED) and self.experts_layout == "hub":
+                t = t.transpose(1, 2).contiguous()
+            out[_LM + key] = t
+        return out
+
+    # ---- HF -> ours -------------------------------------------------------------------------
+    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.from_hf_checked(hf_state_dict)[0]
+
+    def from_hf_checked(
+        self, hf_state_dict: dict[str, torch.Tensor], expected: dict[str, torch.Size] | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``(ours, passthrough)``; with ``expected`` (our key -> shape) every key and shape is checked.
+
+        Raises one ``CheckpointKeyError`` listing every missing, unexpected and mis-shaped key.
+        """
+        problems: list[str] = []
+        passthrough = {k: v for k, v in hf_state_dict.items() if k.startswith(_PASSTHROUGH)}
+        vis = {k[len(_VIS) :]: v for k, v in hf_state_dict.items() if k.startswith(_VIS)}
+        rest = {k: v for k, v in hf_state_dict.items() if not k.startswith((_VIS, *_PASSTHROUGH))}
+        try:
+            ours = {"visual." + k: v for k, v in self._tower.hf_to_ours_(vis).items()}
+        except ValueError as e:
+            problems.append(f"shape: {_VIS}{e}")
+            ours = {}
+        if self._qwen3_5 is not None:
+            try:
+                ours.update(self._qwen3_5.from_hf_checked(rest).state_dict)
+            except CheckpointKeyError as e:
+                problems.append(str(e))
+        else:
+            for key, t in rest.items():
+                if key == "lm_head.weight":
+                    ours[key] = t
+                elif key.startswith(_LM):
+                    name = key[len(_LM) :]
+                    if name.endswith(_FUSED) and self.experts_layout == "hub":
+                        t = t.transpose(1, 2)
+                    ours[name] = t
+                else:
+                    problems.append(f"unexpected: {key}")
+        if expected is not None:
+            problems += [f"missing: {k}" for k in sorted(expected.keys() - ours.keys())]
+            problems += [f"unexpected: {k}" for k in sorted(ours.keys() - expected.keys())]
+            for key in sorted(ours.keys() & expected.keys()):
+                got, want = tuple(ours[key].shape), tuple(expected[key])
+                if got != want:
+                    hint = ""
+                    if key.endswith(_FUSED):
+                        hint = f" (experts read as the {self.experts_layout!r} layout: pass experts_layout=)"
+                    problems.append(f"shape: {key} is {list(got)}, the model expects {list(want)}{hint}")
+        if problems:
+            raise CheckpointKeyError(
+                f"checkpoint does not fit the {self.family} VL model: {len(problems)} problem(s):\n  " + "\n  ".join(problems)
+            )
+        return ours, passthrough
+
+
+# ---- HF config.json <-> Config -----------------------------------------------------------------
+
+_VL_TEXT_KEYS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+    "mlp_only_layers", "rms_norm_eps", "attention_bias", "initializer_range", "pad_token_id",
+    "max_position_embeddings",
+)  # fmt: skip
+# HF Qwen3VLMoeTextConfig defaults for keys a config.json may omit.
+_VL_TEXT_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=151936, hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
+    intermediate_size=5632, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+    decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6, attention_bias=False, initializer_range=0.02,
+    max_position_embeddings=128000,
+)  # fmt: skip
+_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+_ID_DEFAULTS = {
+    "qwen3_vl_moe": dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+                         vision_end_token_id=151653),
+    "qwen3_5_moe": dict(image_token_id=248056, video_token_id=248057, vision_start_token_id=248053,
+                        vision_end_token_id=248054),
+}  # fmt: skip
+
+
+def _vision_kwargs(vision: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    from hyper_parallel.models.qwen3_vl_moe_v2.vision import vision_tower_config_from_hf
+
+    tower, out = vision_tower_config_from_hf(vision)
+    kwargs = dict(
+        depth=len(tower.blocks), dim=tower.dim, n_heads=tower.blocks[0].attn.n_heads,
+        intermediate_size=tower.blocks[0].mlp.hidden_dim, patch_size=tower.patch_size,
+        temporal_patch_size=tower.temporal_patch_size, in_channels=tower.in_channels,
+        spatial_merge_size=tower.spatial_merge_size, num_position_embeddings=tower.num_position_embeddings,
+        deepstack_visual_indexes=tuple(tower.deepstack_visual_indexes), hidden_act=tower.blocks[0].mlp.activation,
+        rope_theta=tower.rotary_pos_emb.theta,
+    )  # fmt: skip
+    return kwargs, out
+
+
+def config_from_hf(hf: dict[str, Any]) -> Qwen3VlMoeModel.Config:
+    """Our config from an HF ``config.json`` dict (``model_type`` ``qwen3_vl_moe`` or ``qwen3_5_moe``)."""
+    from hyper_parallel.models.qwen3_vl_moe_v2.model import qwen3_vl_moe_config
+
+    family = hf.get("model_type")
+    if family not in _ID_DEFAULTS or "vision_config" not in hf:
+        raise ValueError(
+            f"config.json model_type={family!r}: expected a Qwen3VLMoeForConditionalGeneration ('qwen3_vl_moe') or "
+            "Qwen3_5MoeForConditionalGeneration ('qwen3_5_moe') folder with text_config and vision_config"
+        )
+    vision, out_dim = _vision_kwargs(hf["vision_config"])
+    ids = {k: int(hf.get(k, _ID_DEFAULTS[family][k])) for k in _IDS}
+    top = {k: v for k, v in hf.items() if k not in ("text_config", *_IDS)}
+    if family == "qwen3_5_moe":
+        from hyper_parallel.models.qwen3_5_moe_v2.model import Qwen3_5MoeModel
+
+        from hyper_parallel.models.qwen3_vl_moe_v2.model import Qwen3VlMoeModel
+        from hyper_parallel.models.qwen3_vl_moe_v2.vision import vision_tower_config
+
+        if vision["deepstack_visual_indexes"]:
+            raise ValueError("a qwen3_5_moe vision_config has no deepstack_visual_indexes (Qwen3.5 has no deepstack)")
+        t = Qwen3_5MoeModel.Config.from_hf(hf)
+        cfg = Qwen3VlMoeModel.Config(
+            vocab_size=t.vocab_size, dim=t.dim, layers=t.layers, embed_tokens=t.embed_tokens, norm=t.norm,
+            lm_head=t.lm_head, max_position_embeddings=t.max_position_embeddings, visual=vision_tower_config(**vision),
+            **ids, hf_extra={**t.hf_extra, "top": top},
+        )  # fmt: skip
+    else:
+        text = dict(hf.get("text_config") or {})
+        if hf.get("tie_word_embeddings"):
+            raise NotImplementedError("tie_word_embeddings=True checkpoints are not supported (lm_head is untied)")
+        if text.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"text_config.hidden_act={text['hidden_act']!r}: only silu is implemented")
+        kwargs = {**_VL_TEXT_DEFAULTS, **{k: text[k] for k in _VL_TEXT_KEYS if k in text}}
+        rope = dict(text.get("rope_parameters") or {})
+        if rope.get("rope_type", "default") != "default":
+            raise NotImplementedError(f"rope_parameters.rope_type={rope['rope_type']!r}: only 'default' loads")
+        aux = float(text.get("router_aux_loss_coef", 0.001)) if text.get("output_router_logits") else 0.0
+        skip = set(_VL_TEXT_KEYS) | {"rope_parameters", "model_type", "hidden_act", "router_aux_loss_coef",
+                                    "output_router_logits", "tie_word_embeddings"}  # fmt: skip
+        extra = {
+            "text": {k: v for k, v in text.items() if k not in skip and not k.startswith("_")},
+            "rope": {k: v for k, v in rope.items() if k not in ("rope_theta", "mrope_section")},
+            "aux": {k: text[k] for k in ("router_aux_loss_coef", "output_router_logits") if k in text},
+            "top": top,
+        }
+        cfg = qwen3_vl_moe_config(
+            **kwargs, router_aux_loss_coef=aux, rope_theta=float(rope.get("rope_theta", 5e5)),
+            mrope_section=tuple(rope.get("mrope_section", (24, 20, 20))), vision=vision, **ids, hf_extra=extra,
+        )  # fmt: skip
+    if out_dim != cfg.dim:
+        raise ValueError(f"vision_config.out_hidden_size={out_dim} must equal the text hidden_size={cfg.dim}")
+    return cfg
+
+
+def config_to_hf(cfg: Qwen3VlMoeModel.Config) -> dict[str, Any]:
+    """The HF ``config.json`` dict of ``cfg`` (the inverse of :func:`config_from_hf`)."""
+    from hyper_parallel.models.common.feed_forward import FeedForward
+    from hyper_parallel.models.common.moe import MoE
+    from hyper_parallel.models.qwen3_vl_moe_v2.vision import vision_tower_config_to_hf
+
+    extra = cfg.hf_extra
+    top = dict(extra.get("top", {}))
+    vision = {**top.get("vision_config", {}), **vision_tower_config_to_hf(cfg.visual, cfg.dim)}
+    ids = {k: getattr(cfg, k) for k in _IDS}
+    if cfg.text_family == "qwen3_5_moe":
+        from hyper_parallel.models.qwen3_5_moe_v2.model import Qwen3_5MoeModel
+
+        t = Qwen3_5MoeModel.Config(
+            vocab_size=cfg.vocab_size, dim=cfg.dim, layers=cfg.layers, embed_tokens=cfg.embed_tokens, norm=cfg.norm,
+            lm_head=cfg.lm_head, max_position_embeddings=cfg.max_position_embeddings,
+            hf_extra={k: v for k, v in extra.items() if k != "top"} | {"top": top},
+        )  # fmt: skip
+        out = t.to_hf(text_only=False)
+        return {**out, **ids, "vision_config": {**vision, "model_type": "qwen3_5_moe_vision"},
+                "tie_word_embeddings": False}  # fmt: skip
+    attn = cfg.layers[0].self_attn
+    moes = [layer.mlp for layer in cfg.layers if isinstance(layer.mlp, MoE.Config)]
+    dense = [i for i, layer in enumerate(cfg.layers) if isinstance(layer.mlp, FeedForward.Config)]
+    ffn = next((layer.mlp for layer in cfg.layers if isinstance(layer.mlp, FeedForward.Config)), None)
+    text: dict[str, Any] = {
+        **extra.get("text", {}),
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "num_hidden_layers": len(cfg.layers),
+        "num_attention_heads": attn.n_heads, "num_key_value_heads": attn.n_kv_heads, "head_dim": attn.head_dim,
+        "attention_bias": attn.q_proj.bias, "rms_norm_eps": cfg.norm.eps, "hidden_act": "silu",
+        "intermediate_size": ffn.hidden_dim if ffn is not None else extra.get("text", {}).get("intermediate_size", 5632),
+        "mlp_only_layers": dense if moes else [], "decoder_sparse_step": 1,
+        "initializer_range": cfg.lm_head.param_init.std if hasattr(cfg.lm_head.param_init, "std") else 0.02,
+        "pad_token_id": cfg.embed_tokens.padding_idx, "max_position_embeddings": cfg.max_position_embeddings,
+        "rope_parameters": {**extra.get("rope", {"rope_type": "default", "mrope_interleaved": True}),
+                            "rope_theta": attn.rope.theta, "mrope_section": list(attn.rope.mrope_section or ())},
+        "model_type": "qwen3_vl_moe_text", "tie_word_embeddings": False,
+    }  # fmt: skip
+    if moes:
+        m = moes[0]
+        text.update(num_experts=m.num_experts, num_experts_per_tok=m.gate.top_k, moe_intermediate_size=m.experts.hidden_dim)
+        text.update(extra.get("aux", {}))
+        if m.router_aux_loss_coef > 0:
+            text.update(router_aux_loss_coef=m.router_aux_loss_coef, output_router_logits=True)
+    else:
+        text.update(num_experts=0, mlp_only_layers=list(range(len(cfg.layers))))
+    top.setdefault("architectures", ["Qwen3VLMoeForConditionalGeneration"])
+    return {**top, **ids, "model_type": "qwen3_vl_moe", "text_config": text,
+            "vision_config": {**vision, "model_type": "qwen3_vl_moe"}, "tie_word_embeddings": False}  # fmt: skip
+
+
+# ---- HF folders ------------------------------------------------------------------------------
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def load_hf_weights(
+    model: Qwen3VlMoeModel, path: str | os.PathLike, *, experts_layout: ExpertsLayout | None = None
+) -> None:
+    """Load an HF folder into a whole model in place (every key and shape checked first).
+
+    ``experts_layout`` (Qwen3-VL-MoE fused experts) default: from ``config.json`` (:func:`experts_layout_of`).
+    """
+    layout = experts_layout or experts_layout_of(read_hf_config(path))
+    adapter = Qwen3VlMoeStateDictAdapter(model.config, experts_layout=layout)
+    ours = model.state_dict()
+    state, passthrough = adapter.from_hf_checked(read_safetensors(path), expected={k: v.shape for k, v in ours.items()})
+    with torch.no_grad():
+        for key, t in state.items():
+            ours[key].copy_(t)
+    model.hf_passthrough = dict(passthrough)
+    model.hf_experts_layout = layout
+
+
+def save_hf_state_dict(
+    config: Qwen3VlMoeModel.Config,
+    state_dict: dict[str, torch.Tensor],
+    path: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    experts_layout: ExpertsLayout = "memory",
+    passthrough: dict[str, torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+) -> list[str]:
+    """Write ``state_dict`` (our keys, full tensors) + ``config.json`` as an HF ConditionalGeneration folder.
+
+    The written ``transformers_version`` says which fused-expert layout the folder holds (4.x: hub).
+    """
+    adapter = Qwen3VlMoeStateDictAdapter(config, experts_layout=experts_layout)
+    hf = adapter.to_hf({k: _full(v) for k, v in state_dict.items()}) | dict(passthrough or {})
+    if dtype is not None:
+        hf = {k: v.to(dtype) if v.is_floating_point() else v for k, v in hf.items()}
+    path = Path(path)
+    files = write_safetensors(hf, path, max_shard_size=max_shard_size)
+    hf_config = config_to_hf(config)
+    dtype_name = str(dtype or next(iter(state_dict.values())).dtype).removeprefix("torch.")
+    hf_config["dtype"] = dtype_name
+    hf_config["text_config"]["dtype"] = dtype_name
+    if config.text_family == "qwen3_vl_moe":
+        version = hf_config.get("transformers_version")
+        if experts_layout_of(hf_config) != experts_layout:  # make the folder's version state its layout
+            hf_config["transformers_version"] = "4.57.0" if experts_layout == "hub" else "5.0.0"
+        elif version is None:
+            hf_config["transformers_version"] = "5.0.0"
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
+    return files + ["config.json"]

@@ -1,0 +1,246 @@
+"""Dry run (``python -m hyper_parallel.dry_run``): per-rank bytes and FSDP collectives equal hand-computed values
+on a tiny GlmImageMoe; the layer-scaled step equals the full-depth one; invalid layouts fail with the real run's
+message. Every run is one process on a fake process group (no peers, no data)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import re
+
+import pytest
+
+from hyper_parallel.config import ConfigError
+from hyper_parallel.config.manager import available_modules, available_recipes
+from hyper_parallel.distributed.parallel_dims import ParallelDims
+from hyper_parallel.dry_run import dry_run, main
+from hyper_parallel.dry_run.step import layer_plan, simulate_step
+from hyper_parallel.dry_run.world import MESH_DEVICE, fake_world, validate_layout
+from hyper_parallel.models.glm_image_moe_v2.config_registry import glm_image_moe_debug
+from hyper_parallel.models.glm_image_moe_v2.model import glm_image_moe_config
+from hyper_parallel.protocols.model_spec import discover_model_spec
+
+FP32 = 4
+ADAMW_STATE = 2 * FP32  # exp_avg + exp_avg_sq per element
+ADAMW_STEP = 4  # the fp32 ``step`` counter of every parameter tensor
+BF16 = ("--training.mixed_precision_param", "bfloat16")
+
+
+def _run(world: int, *, rep: int = 1, tp: int = 1, ep: int = 1, cp: int = 1, config=None):
+    cfg = copy.deepcopy(config or glm_image_moe_debug())
+    p = cfg.parallelism
+    p.data_parallel_replicate_degree, p.tensor_parallel_degree, p.expert_parallel_degree = rep, tp, ep
+    p.context_parallel_degree, p.data_parallel_shard_degree = cp, -1
+    return cfg
+
+
+def _params(cfg) -> dict[str, int]:
+    """FQN -> numel of the unsharded model (built on meta)."""
+    import torch
+
+    with torch.device("meta"):
+        model = cfg.model.build()
+    return {n: p.numel() for n, p in model.named_parameters()}
+
+
+def _divisor(fqn: str, layout: str) -> int:
+    """How many ways the parallelize path splits a parameter (DESIGN.md section 6, sharding.py), by hand."""
+    if fqn == "vq_codebook.weight":
+        return 1  # frozen, FSDP-ignored: whole on every rank
+    if layout == "tp2_fsdp2":
+        # sequence-parallel norms are replicated over tp and FSDP-sharded over dp_shard (2); the image
+        # projection sits in the root unit on the dp_shard mesh. Everything else is split 4 ways:
+        # TP x FSDP, or FSDP over a mesh that includes tp (latent projections, router, routed experts).
+        sequence_parallel_norm = fqn.endswith("layernorm.weight") and ".self_attn." not in fqn
+        if sequence_parallel_norm or fqn in ("norm.weight", "vq_to_llm_proj.weight"):
+            return 2
+    return 4  # fsdp4: 4-way FSDP; ep2: experts 2 (ep) x 2 (efsdp, dim 1), the rest 4-way FSDP
+
+
+@pytest.mark.parametrize(
+    "layout, kw",
+    [("fsdp4", {}), ("tp2_fsdp2", {"tp": 2}), ("ep2", {"ep": 2})],
+)
+def test_per_rank_bytes_equal_analytic_values(layout, kw):
+    cfg = _run(4, **kw)
+    report = dry_run(cfg, world_size=4, simulate=False)
+    numels = _params(cfg)
+    trainable = {n for n in numels if n != "vq_codebook.weight"}
+    local = {n: numels[n] // _divisor(n, layout) for n in numels}
+    assert all(numels[n] % _divisor(n, layout) == 0 for n in numels)
+    params = sum(local.values()) * FP32
+    grads = sum(local[n] for n in trainable) * FP32
+    optim = sum(local[n] * ADAMW_STATE + ADAMW_STEP for n in trainable)
+    for mem in report.ranks:
+        assert (mem.params, mem.grads, mem.optimizer) == (params, grads, optim), (layout, mem)
+    assert report.distinct_shard_numel == report.model_numel == sum(numels.values())
+
+
+def test_cli_prints_exact_bytes_and_the_fsdp_step_volume(capsys):
+    """FSDP 4, one step: every non-root unit is all-gathered twice (forward, backward re-gather), the root
+    (final norm + image projection) once; every trainable parameter is reduce-scattered once, all in fp32."""
+    report = main(["--module", "glm_image_moe", "--config", "glm_image_moe_debug", "--world_size", "4"])
+    out = capsys.readouterr().out
+    numels = _params(glm_image_moe_debug())
+    trainable = sum(v for n, v in numels.items() if n != "vq_codebook.weight")
+    root = numels["norm.weight"] + numels["vq_to_llm_proj.weight"]
+    tensors = len(numels) - 1  # trainable parameter tensors (one AdamW step counter each)
+    local = (trainable // 4) + numels["vq_codebook.weight"]
+    optim = trainable // 4 * ADAMW_STATE + tensors * ADAMW_STEP
+    expect = f"ranks 0-3: {local * FP32:,} / {trainable // 4 * FP32:,} / {optim:,}"
+    assert expect in out, out
+    comm = {(c.kind, c.axis): c for c in report.comm}
+    assert set(comm) == {("all_gather", "dp_shard_cp"), ("reduce_scatter", "dp_shard_cp")}
+    units = 1 + 4 + 1 + 1  # embedding, 4 layers, head, root
+    ag, rs = comm["all_gather", "dp_shard_cp"], comm["reduce_scatter", "dp_shard_cp"]
+    assert (ag.calls, ag.nbytes) == (2 * units - 1, (2 * trainable - root) * FP32)
+    assert (rs.calls, rs.nbytes) == (units, trainable * FP32)
+    assert ag.sent_bytes == ag.nbytes * 3 / 4
+    assert report.peak["Total"] > report.ranks[0].static and "Activation" in report.peak
+
+
+def test_tp_step_gathers_every_unit_over_tp_once_per_pass():
+    """TP 2 x FSDP 2: MLA's latent projections and norms (one FSDP unit of four modules per layer), the router
+    and the routed experts are FSDP units over dp_shard x tp (``efsdp``): each is gathered in forward and again
+    in backward, and reduce-scattered once."""
+    report = dry_run(_run(4, tp=2), world_size=4)
+    numels = _params(glm_image_moe_debug())
+    latent = ("q_a_proj.", "q_a_layernorm.", "kv_a_proj_with_mqa.", "kv_a_layernorm.", "mlp.gate.", "mlp.experts.")
+    on_efsdp = sum(v for n, v in numels.items() if any(k in n for k in latent))
+    units = 4 + 3 * 2  # one latent unit per layer; router and experts of the 3 MoE layers
+    comm = {(c.kind, c.axis): (c.calls, c.nbytes) for c in report.comm}
+    assert comm["all_gather", "efsdp"] == (2 * units, 2 * on_efsdp * FP32)
+    assert comm["reduce_scatter", "efsdp"] == (units, on_efsdp * FP32)
+
+
+def test_hsdp_step_with_two_micro_batches_reduce_scatters_each_and_all_reduces_once():
+    """HSDP 2 x 2, two micro-batches per step (Trainer default): gather and reduce-scatter every micro-batch,
+    all-reduce the gradient shards across replicas once, after the last."""
+    cfg = _run(4, rep=2)
+    cfg.data = dataclasses.replace(cfg.data, global_batch_tokens=2 * 4 * cfg.data.max_tokens_per_microbatch)
+    report = dry_run(cfg, world_size=4)
+    numels = _params(cfg)
+    trainable = sum(v for n, v in numels.items() if n != "vq_codebook.weight")
+    root = numels["norm.weight"] + numels["vq_to_llm_proj.weight"]
+    units = 7
+    comm = {(c.kind, c.axis): (c.calls, c.nbytes) for c in report.comm}
+    assert report.micro_batches_per_step == 2
+    assert comm == {
+        ("all_gather", "dp_shard_cp"): (2 * (2 * units - 1), 2 * (2 * trainable - root) * FP32),
+        ("reduce_scatter", "dp_shard_cp"): (2 * units, 2 * trainable * FP32),
+        ("all_reduce", "dp_replicate"): (units, trainable // 2 * FP32),
+    }
+
+
+def test_layer_scaled_step_equals_full_depth():
+    """Two shallow copies scaled per layer give the full-depth peak and collectives (EP: all-to-alls too)."""
+    cfg = _run(4, ep=2)
+    base = cfg.model
+    cfg.model = glm_image_moe_config(
+        vocab_size=base.vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=9, num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2, q_lora_rank=32,
+        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, codebook_size=256,
+        vq_embed_dim=32, placeholder_token_id=base.placeholder_token_id, n_group=2, topk_group=2,
+    )  # fmt: skip
+    micro = 2  # micro-batches per step
+    cfg.data = dataclasses.replace(cfg.data, max_tokens_per_microbatch=128, global_batch_tokens=micro * 4 * 128)
+    spec, pd = discover_model_spec(cfg.model_spec), ParallelDims.from_config(cfg.parallelism, 4)
+    with fake_world(4, rank=0):
+        pd.build_mesh(MESH_DEVICE)
+        plan = layer_plan(cfg.model.layers)
+        assert plan.depths == (2, 3) and plan.representative("layers.8.mlp.gate.weight") == "layers.1.mlp.gate.weight"
+        scaled = simulate_step(spec, cfg, pd, plan)
+        full = simulate_step(spec, cfg, pd, layer_plan(cfg.model.layers, full=True))
+    assert scaled.peak["Total"] == pytest.approx(full.peak["Total"], rel=1e-9)
+    assert set(scaled.comm) == set(full.comm) and any(kind == "all_to_all" for kind, _, _ in full.comm)
+    for key, (calls, nbytes) in full.comm.items():
+        assert scaled.comm[key] == [pytest.approx(calls), pytest.approx(nbytes)], key
+    # Balanced routing: per MoE layer and micro-batch the token rows (T*K slots x D fp32) cross the ep group four
+    # times (dispatch, combine, and their backward), plus one exchange of the E int64 counts.
+    (a2a,) = [v for (kind, _, _), v in full.comm.items() if kind == "all_to_all"]
+    moe_layers, slots, dim, experts = 8, 128 * 2, 64, 8
+    assert a2a == [micro * moe_layers * 5, micro * moe_layers * (4 * slots * dim * FP32 + experts * 8)]
+
+
+@pytest.mark.parametrize(
+    "world, kw",
+    [
+        (8, {"tp": 3}),  # the degrees do not divide the world size
+        (8, {"ep": 3}),  # ep does not divide dp_shard x cp
+        (8, {"tp": 8}),  # tp does not divide the 4 heads
+        (8, {"tp": 2, "cp": 4}),  # Ulysses CP cannot split the 2 heads per TP rank 4 ways
+        (16, {"ep": 16}),  # ep does not divide the 8 routed experts
+    ],
+)
+def test_invalid_layouts_fail_with_the_trainers_message(world, kw):
+    cfg = _run(world, **kw)
+    with pytest.raises(ConfigError) as real:  # what the Trainer runs before it builds anything
+        validate_layout(discover_model_spec(cfg.model_spec), cfg, ParallelDims.from_config(cfg.parallelism, world))
+    with pytest.raises(ConfigError) as dry:
+        dry_run(cfg, world_size=world, simulate=False)
+    assert str(dry.value) == str(real.value)
+
+
+def test_a3b_on_64_ranks_sizes_every_shard_exactly():
+    """Full-size recipe, meta only: FSDP over 64 ranks splits every trainable parameter 64 ways (all dims divide),
+    the frozen codebook stays whole; the distinct shards add up to the 30,014,694,144 parameters."""
+    report = main(["--module", "glm_image_moe", "--config", "glm_image_moe_a3b", "--world_size", "64", "--no_step"])
+    codebook = 16384 * 2048
+    assert report.model_numel == report.distinct_shard_numel == 30_014_694_144
+    trainable = report.model_numel - codebook
+    assert trainable % 64 == 0
+    bf16_compute_fp32_master = FP32
+    for mem in report.ranks:
+        assert mem.params == (trainable // 64 + codebook) * bf16_compute_fp32_master
+        assert mem.grads == trainable // 64 * FP32
+    assert report.peak == {} and report.comm == []
+
+
+def test_a3b_invalid_layout_fails_before_anything_is_built():
+    """Full-size recipe, meta only: FSDP 2 x TP 4 x CP 2 leaves 5 heads per TP rank, which CP 2 cannot split."""
+    argv = ["--module", "glm_image_moe", "--config", "glm_image_moe_a3b", "--world_size", "16",
+            "--parallelism.tensor_parallel_degree", "4", "--parallelism.context_parallel_degree", "2"]  # fmt: skip
+    with pytest.raises(ConfigError, match=re.escape("n_heads=20 / tp 4 = 5")):
+        main(argv)
+
+
+def _recipes(debug: bool) -> list[tuple[str, str]]:
+    """Every (module, recipe) of every model package, tiny (``*debug*``) or full-size."""
+    found = []
+    for module in available_modules():
+        try:
+            registry = importlib.import_module(f"hyper_parallel.models.{module}.config_registry")
+        except ModuleNotFoundError:
+            continue  # the short alias of a ``*_v2`` package
+        found += [(module, r) for r in available_recipes(registry) if ("debug" in r) == debug]
+    return found
+
+
+@pytest.mark.parametrize("module, recipe", _recipes(debug=True))
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--world_size", "2"],
+        # bf16 compute (MoE routers become fp32 FSDP units of their own), with the family's EP or TP placements
+        ["--world_size", "2", "--parallelism.expert_parallel_degree", "2", *BF16],
+        ["--world_size", "4", "--parallelism.tensor_parallel_degree", "2", *BF16],
+    ],
+    ids=["fsdp2", "ep2_bf16", "tp2_fsdp2_bf16"],
+)
+def test_every_tiny_recipe_dry_runs(module, recipe, layout):
+    """Any registered family (also ones added later) sizes and simulates with nothing model-specific here."""
+    try:
+        report = main(["--module", module, "--config", recipe, *layout])
+    except ConfigError as e:  # the family's own layout check declines this layout (the real run would, too)
+        pytest.skip(f"{module}.{recipe} does not take this layout: {e}")
+    assert report.distinct_shard_numel == report.model_numel
+    assert report.peak["Total"] >= max(m.static for m in report.ranks) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module, recipe", _recipes(debug=False))
+def test_every_full_size_recipe_sizes_on_64_ranks(module, recipe):
+    """Full-size recipes on 64 simulated ranks, meta only (the simulated step is left out to stay fast)."""
+    report = main(["--module", module, "--config", recipe, "--world_size", "64", "--no_step"])
+    assert report.distinct_shard_numel == report.model_numel
