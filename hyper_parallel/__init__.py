@@ -27,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "ModuleDict": _PROTOCOLS,
     "Sequential": _PROTOCOLS,
     "BaseModel": _PROTOCOLS,
+    "ModelOutput": _PROTOCOLS,
     "ModelSpec": _PROTOCOLS,
     "register_spec": _PROTOCOLS,
     "get_spec": _PROTOCOLS,
@@ -56,7 +57,16 @@ _EXPORTS: dict[str, str] = {
     "EMA": "hyper_parallel.components",
     "CheckpointManager": "hyper_parallel.components",
     "MetricsProcessor": "hyper_parallel.components",
+    "Profiler": "hyper_parallel.components",
+    # data
+    "BaseTokenizer": "hyper_parallel.data.tokenizer",
+    "HuggingFaceTokenizer": "hyper_parallel.data.tokenizer",
+    "BaseDataLoader": "hyper_parallel.data",
+    "DataConfig": "hyper_parallel.data",
     "TokenDataLoader": "hyper_parallel.data",
+    "HuggingFaceTextDataLoader": "hyper_parallel.data",
+    "DummyDataLoader": "hyper_parallel.data",
+    "PresetDataLoader": "hyper_parallel.data",
     "Trainer": "hyper_parallel.trainer",
     # common model blocks
     "Linear": _COMMON,
@@ -75,6 +85,27 @@ _EXPORTS: dict[str, str] = {
     "TransformerBlock": _COMMON,
     "Decoder": _COMMON,
     "LocalTokenDispatcher": _COMMON,
+    "CausalConv1d": _COMMON,
+    "GatedAttention": _COMMON,
+    "GatedDeltaNet": _COMMON,
+    "GatedDeltaRule": _COMMON,
+    "GatedRMSNorm": _COMMON,
+    "Qwen3_5RMSNorm": _COMMON,
+    "TokenMixer": _COMMON,
+    "load_balancing_loss": _COMMON,
+    "colwise_config": _COMMON,
+    "embedding_config": _COMMON,
+    "lm_head_config": _COMMON,
+    "norm_config": _COMMON,
+    "region_config": _COMMON,
+    "rowwise_config": _COMMON,
+    "set_decoder_sharding_config": _COMMON,
+    "set_dense_ffn_sharding": _COMMON,
+    "set_gqa_attention_sharding": _COMMON,
+    "set_mla_attention_sharding": _COMMON,
+    "set_moe_sharding": _COMMON,
+    "set_qkv_linear_sharding": _COMMON,
+    "without_sharding": _COMMON,
 }
 """Public name -> the module it lives in."""
 
@@ -99,16 +130,16 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from hyper_parallel.components import (
-        EMA,
         BaseLoss,
         CheckpointManager,
         CrossEntropyLoss,
+        EMA,
         LRSchedulersContainer,
         MetricsProcessor,
         OptimizersContainer,
+        Profiler,
     )
     from hyper_parallel.config import (
-        TORCH_DTYPE_MAP,
         ActivationCheckpointConfig,
         CommConfig,
         CompileConfig,
@@ -116,34 +147,73 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
         DebugConfig,
         Function,
         ParallelismConfig,
+        TORCH_DTYPE_MAP,
         TrainingConfig,
     )
-    from hyper_parallel.config.manager import ConfigError, ConfigManager
-    from hyper_parallel.data import TokenDataLoader
+    from hyper_parallel.config.manager import (
+        ConfigError,
+        ConfigManager,
+    )
+    from hyper_parallel.data import (
+        BaseDataLoader,
+        DataConfig,
+        DummyDataLoader,
+        HuggingFaceTextDataLoader,
+        PresetDataLoader,
+        TokenDataLoader,
+    )
+    from hyper_parallel.data.tokenizer import (
+        BaseTokenizer,
+        HuggingFaceTokenizer,
+    )
     from hyper_parallel.models.common import (
         AttentionMeta,
+        CausalConv1d,
         Decoder,
         Embedding,
         FeedForward,
         GQAttention,
+        GatedAttention,
+        GatedDeltaNet,
+        GatedDeltaRule,
+        GatedRMSNorm,
         GroupedExperts,
         Linear,
         LocalTokenDispatcher,
         MLAttention,
         MoE,
+        Qwen3_5RMSNorm,
         RMSNorm,
         RoPE,
         RoPECosSin,
         Router,
+        TokenMixer,
         TransformerBlock,
         VarlenAttention,
+        colwise_config,
+        embedding_config,
+        lm_head_config,
+        load_balancing_loss,
+        norm_config,
+        region_config,
+        rowwise_config,
+        set_decoder_sharding_config,
+        set_dense_ffn_sharding,
+        set_gqa_attention_sharding,
+        set_mla_attention_sharding,
+        set_moe_sharding,
+        set_qkv_linear_sharding,
+        without_sharding,
     )
-    from hyper_parallel.models.glm_image_moe_v2.sharding import set_glm_image_moe_sharding_config
+    from hyper_parallel.models.glm_image_moe_v2.sharding import (
+        set_glm_image_moe_sharding_config,
+    )
     from hyper_parallel.protocols import (
         BaseModel,
         BaseStateDictAdapter,
         LocalMapConfig,
         MeshAxisName,
+        ModelOutput,
         ModelSpec,
         Module,
         ModuleDict,
@@ -155,4 +225,6 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
         get_spec,
         register_spec,
     )
-    from hyper_parallel.trainer import Trainer
+    from hyper_parallel.trainer import (
+        Trainer,
+    )

@@ -8,7 +8,10 @@ processor records the loss of every step (for the curve) and, every ``log_freq``
 - ``mfu``: ``tps * flops_per_token / peak_flops`` in percent (``flops_per_token`` from
   ``BaseModel.get_nparams_and_flops``; the peak from a table of known GPUs or a measured matmul);
 - ``memory_gib``: peak CUDA memory allocated, or peak process RSS on CPU;
-- ``expert_load/<layer>``: max/mean tokens per expert of each MoE layer (1.0 is perfect balance).
+- ``expert_load/<layer>``: max/mean tokens per expert of each MoE layer (1.0 is perfect balance);
+- ``extra`` values as given (e.g. the data's ``bad_samples_skipped``; a mixture's
+  ``data/<name>/{tokens,share,epoch,bad_samples_skipped}`` and the trainer's ``loss/<name>``, which
+  the console line shows compactly as ``src <name> <share>% <loss>, ...``).
 
 Only rank 0 writes files and console lines.
 """
@@ -87,6 +90,17 @@ def peak_memory_gib(device: torch.device | str | None = None) -> float:
     if device is not None and device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def _source_parts(record: Mapping[str, Any]) -> str:
+    """``src big 61% 2.314, mid 29% 2.871``: each mixture source's share of the step's tokens and its
+    loss (keys ``data/<name>/share`` and ``loss/<name>``); empty for a single-source run."""
+    names = [k[len("data/") : -len("/share")] for k in record if k.startswith("data/") and k.endswith("/share")]
+    items = []
+    for name in names:
+        loss = record.get(f"loss/{name}")
+        items.append(f"{name} {100 * record[f'data/{name}/share']:.0f}%" + (f" {loss:.3f}" if loss is not None else ""))
+    return ("src " + ", ".join(items)) if items else ""
 
 
 def _rank() -> int:
@@ -221,6 +235,9 @@ class MetricsProcessor(Configurable):
         loads = [v for k, v in record.items() if k.startswith("expert_load/")]
         if loads:
             parts.append(f"expert max/mean {max(loads):.2f}")
+        sources = _source_parts(record)
+        if sources:
+            parts.append(sources)
         if self.total_steps:
             parts.append(f"eta {eta}")
         logger.info(" | ".join(parts))

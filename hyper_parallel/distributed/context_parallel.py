@@ -9,6 +9,8 @@ sequence split for a head split::
 
 so attention sees whole sequences (every document of a packed row, with the GLOBAL ``cu_seqlens``
 over the flattened ``B*T`` stream: varlen packing needs nothing special) for a subset of heads.
+A linear-attention core (Gated DeltaNet's ``delta_rule``) declares ``cp_head_split_inputs`` and gets the
+same trade on its token-major ``[B, T, H, ...]`` inputs (its recurrence needs whole sequences).
 Projections, norms, MLPs and the loss run on the local chunk; RoPE uses the chunk's own
 ``position_ids``. Gradients of the all-to-all are all-to-alls the other way
 (``all_to_all_single_autograd``), which gloo and NCCL both support.
@@ -75,17 +77,50 @@ def _post_hook(group: dist.ProcessGroup):
     return hook
 
 
-def apply_ulysses_cp(model: nn.Module, cp_mesh: DeviceMesh, *, attention_name: str = "inner_attention") -> int:
-    """Wrap every attention core named ``attention_name`` with the Ulysses all-to-alls; return how many.
+def _token_major_seq_to_head(x_BtH: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[B, T/cp, H, *rest]`` -> ``[B, T, H/cp, *rest]`` (token-major layout of ``seq_to_head_all_to_all``)."""
+    B, t, H = x_BtH.shape[:3]
+    rest = x_BtH.shape[3:]
+    x_BHtd = x_BtH.reshape(B, t, H, -1).transpose(1, 2).contiguous()
+    y_BHTd = seq_to_head_all_to_all(x_BHtd, group)
+    return y_BHTd.transpose(1, 2).reshape(B, y_BHTd.shape[2], y_BHTd.shape[1], *rest)
 
-    The core must take ``(q [B, H, T, dqk], k [B, Hk, T, dqk], v [B, Hk, T, dv], ...)`` positionally with the
-    global ``AttentionMeta`` as a keyword, and return ``[B, T, H, dv]``. Hooks, not a wrapper module, so
-    parameter FQNs and the module tree stay unchanged.
+
+def _head_split_pre_hook(group: dist.ProcessGroup, n_inputs: int):
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        local_kwargs = getattr(module, "cp_local_kwargs", None)
+        if local_kwargs is not None:  # e.g. the rows of a per-channel weight that belong to this head chunk
+            kwargs = local_kwargs(args, kwargs, rank=rank, world=world)
+        split = tuple(_token_major_seq_to_head(t, group) for t in args[:n_inputs])
+        return (*split, *args[n_inputs:]), kwargs
+
+    return hook
+
+
+def apply_ulysses_cp(model: nn.Module, cp_mesh: DeviceMesh, *, attention_name: str = "inner_attention") -> int:
+    """Wrap every sequence core with the Ulysses all-to-alls; return how many.
+
+    - An attention core named ``attention_name`` takes ``(q [B, H, T, dqk], k [B, Hk, T, dqk], v [B, Hk, T,
+      dv], ...)`` positionally with the global ``AttentionMeta`` as a keyword, and returns ``[B, T, H, dv]``.
+    - Any other core declares how to split it (a linear-attention recurrence): ``cp_head_split_inputs`` (a
+      class attribute), the number of leading positional inputs laid out token-major ``[B, T, H, ...]`` (each
+      may have its own head count), and returns ``[B, T, H, ...]``. An optional method
+      ``cp_local_kwargs(args, kwargs, *, rank, world) -> kwargs`` (called with the inputs before the
+      all-to-all, all heads) adapts keyword inputs to head chunk ``rank`` of ``world``.
+
+    Hooks, not a wrapper module, so parameter FQNs and the module tree stay unchanged.
     """
     group = cp_mesh.get_group()
     count = 0
     for fqn, module in model.named_modules():
-        if fqn.rsplit(".", 1)[-1] == attention_name:
+        n_inputs = getattr(module, "cp_head_split_inputs", 0)
+        if n_inputs:
+            module.register_forward_pre_hook(_head_split_pre_hook(group, n_inputs), with_kwargs=True)
+            module.register_forward_hook(_post_hook(group))
+            count += 1
+        elif fqn.rsplit(".", 1)[-1] == attention_name:
             module.register_forward_pre_hook(_pre_hook(group), with_kwargs=True)
             module.register_forward_hook(_post_hook(group))
             count += 1

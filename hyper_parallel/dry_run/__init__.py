@@ -36,6 +36,7 @@ from hyper_parallel.dry_run.report import CommVolume, DryRunReport, format_repor
 from hyper_parallel.dry_run.simulation import SimulationMode
 from hyper_parallel.dry_run.step import (
     LayerPlan,
+    builds_at_depth,
     layer_plan,
     materialize_with_optimizer,
     micro_batches_per_step,
@@ -80,7 +81,7 @@ def dry_run(
     pd = ParallelDims.from_config(config.parallelism, world_size)
     validate_layout(spec, config, pd)
     layers = list(getattr(config.model, "layers", None) or [])
-    plan = layer_plan(layers, full=full_depth)
+    plan = layer_plan(layers, full=full_depth, buildable=builds_at_depth(config))
     census = _static_census(spec, config, pd, plan, world_size)
     tc, ac = config.training, config.activation_checkpoint
     report = DryRunReport(

@@ -6,8 +6,9 @@ process group (collectives return at once, moving nothing). Two things need more
 
 - **Host data.** Integer bookkeeping that a model turns into Python numbers (``.item()``, ``.tolist()``:
   split sizes of a token all-to-all, image placeholder counts, document boundaries) is computed for
-  real: an op whose tensor inputs are all real tensors runs for real, and integer factories
-  (``arange``, ``zeros(dtype=int64)``) create real tensors. Float tensors stay fake.
+  real: an op whose tensor inputs are all real tensors runs for real, and factories of integers or of
+  scalars (``arange``, ``zeros(dtype=int64)``, an optimizer's step counter) create real tensors.
+  Float tensors stay fake.
 - **Routing.** ``topk`` over fake scores returns fake values and real indices that spread the slots
   evenly (token t's k-th choice is ``(t*K + k) mod E``): the estimate assumes perfectly balanced experts.
 
@@ -132,18 +133,15 @@ class SimulationMode(TorchDispatchMode):
             # The fake kernel accepts bf16 only; the output shape and dtype rule is the same for fp32.
             a, b, *rest = args
             return func(a.to(torch.bfloat16), b.to(torch.bfloat16), *rest, **kwargs).to(a.dtype)
-        if tensors:
-            real = all(_is_real(t) for t in tensors)
-        else:  # a factory: host bookkeeping (integers) is real, float buffers are fake
-            real = _is_integral(kwargs.get("dtype")) or (
-                func in (aten.arange.default, aten.arange.start, aten.arange.start_step)
-                and kwargs.get("dtype") is None
-                and all(isinstance(a, int) for a in args)
-            )
-        if real:
+        if tensors and all(_is_real(t) for t in tensors):
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if not tensors and isinstance(out, FakeTensor) and (_is_integral(out.dtype) or out.numel() <= 1):
+            # a factory of host bookkeeping (integers, scalars such as an optimizer's step counter): make it real
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return out
 
     def _collective(self, func: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> Any:
         kind = (_C10D_OPS.get(func) or _FUNCTIONAL_OPS[func])[0]

@@ -39,7 +39,7 @@ from hyper_parallel.trainer import Trainer
 
 __all__ = [
     "LayerPlan", "StepMeasurement", "layer_plan", "materialize_with_optimizer", "micro_batches_per_step",
-    "model_config_at_depth", "simulate_step",
+    "builds_at_depth", "model_config_at_depth", "simulate_step",
 ]
 
 _LAYER_FQN = re.compile(r"^layers\.(\d+)\.(.*)$")
@@ -74,8 +74,14 @@ class LayerPlan:
         return low + (high - low) * (self.num_layers - k1) / (k2 - k1)
 
 
-def layer_plan(layers: Sequence[Any], *, full: bool = False) -> LayerPlan:
-    """Full depth for shallow models (or ``full``), else the two shortest prefixes that contain a whole period."""
+def layer_plan(
+    layers: Sequence[Any], *, full: bool = False, buildable: Callable[[int], bool] | None = None
+) -> LayerPlan:
+    """Full depth for shallow models (or ``full``), else two shallow depths one period apart.
+
+    The depths are the shortest prefixes ``head + m*p`` and ``head + (m+1)*p`` (``m >= 1``) that ``buildable``
+    accepts: a model may need a minimum depth (Qwen3-VL adds visual features to its first few layers).
+    """
     n = len(layers)
     if full or n <= FULL_DEPTH_MAX_LAYERS:
         return LayerPlan(n, (n,))
@@ -86,10 +92,15 @@ def layer_plan(layers: Sequence[Any], *, full: bool = False) -> LayerPlan:
                 if best is None or head + 2 * period < best[0] + 2 * best[1]:
                     best = (head, period)
                 break
-    if best is None or best[0] + 2 * best[1] >= n:
+    if best is None:
         return LayerPlan(n, (n,))
     head, period = best
-    return LayerPlan(n, (head + period, head + 2 * period), period)
+    low = head + period
+    while low + period < n:
+        if buildable is None or (buildable(low) and buildable(low + period)):
+            return LayerPlan(n, (low, low + period), period)
+        low += period
+    return LayerPlan(n, (n,))
 
 
 @dataclass(slots=True)
@@ -261,6 +272,20 @@ def model_config_at_depth(config: Trainer.Config, depth: int) -> Any:
     """The run's model config with its first ``depth`` layers (the full config at full depth)."""
     layers = list(getattr(config.model, "layers", None) or [])
     return config.model if depth == len(layers) else dataclasses.replace(config.model, layers=layers[:depth])
+
+
+def builds_at_depth(config: Trainer.Config) -> Callable[[int], bool]:
+    """``depth -> whether the model builds (on meta) with its first ``depth`` layers``, for ``layer_plan``."""
+
+    def probe(depth: int) -> bool:
+        try:
+            with torch.device("meta"):
+                model_config_at_depth(config, depth).build()
+        except ValueError:  # the model's own check of its config (ConfigError is a ValueError too)
+            return False
+        return True
+
+    return probe
 
 
 def simulate_step(spec: ModelSpec, config: Trainer.Config, pd: ParallelDims, plan: LayerPlan) -> StepMeasurement:

@@ -31,7 +31,8 @@ same global flag themselves).
 
 torch.compile: the per-document SDPA loop runs outside the graph (``torch.compiler.disable``): its
 Python loop depends on the boundaries, which would otherwise be baked into the graph and recompile on
-every new packing. The varlen kernels are custom ops and stay in the graph.
+every new packing. The varlen kernels are custom ops (torch's ``varlen_attn``; ``flash_attn`` >= 2.6) and
+stay in the graph; ``cu_seqlens`` and ``max_seqlen`` turn dynamic after their first change.
 """
 
 from __future__ import annotations
@@ -50,13 +51,12 @@ try:  # optional GPU kernel; the package never requires it
 except ImportError:  # pragma: no cover - depends on the environment
     flash_attn_func = flash_attn_varlen_func = None
 
-try:  # torch >= 2.10
+try:  # recent torch only
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # pragma: no cover - depends on the torch version
     varlen_attn = None
 
 __all__ = ["AttentionMeta", "VarlenAttention"]
-
 
 
 def _gpu_half(q: torch.Tensor) -> bool:
@@ -166,7 +166,7 @@ class VarlenAttention(Module):
             )
         if backend == "varlen" and not varlen_ok:
             raise RuntimeError(
-                "VarlenAttention.Config.backend='varlen' needs torch.nn.attention.varlen (torch >= 2.10) and CUDA "
+                "VarlenAttention.Config.backend='varlen' needs torch.nn.attention.varlen (recent torch) and CUDA "
                 f"fp16/bf16 inputs (available: {varlen_attn is not None}, device: {q.device}, dtype: {q.dtype}); "
                 "use backend='auto' or 'sdpa'"
             )

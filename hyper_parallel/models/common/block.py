@@ -11,17 +11,36 @@ checkpointing.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from hyper_parallel.models.common.attention import AttentionMeta
 from hyper_parallel.models.common.mixer import TokenMixer
-from hyper_parallel.models.common.moe import MoE
+from hyper_parallel.models.common.moe import LoadBalanceStats, MoE
 from hyper_parallel.models.common.rmsnorm import RMSNorm
 from hyper_parallel.protocols.module import Module
 
-__all__ = ["TransformerBlock"]
+__all__ = ["TransformerBlock", "combine_aux_losses"]
+
+
+def combine_aux_losses(auxes: Iterable[torch.Tensor | LoadBalanceStats | None]) -> torch.Tensor | None:
+    """One model-level auxiliary loss from every layer's ``pop_aux_loss()``: tensors add up; MoE router
+    statistics pool over ALL layers before the Switch product (HF ``load_balancing_loss_func`` over the
+    concatenated router logits), then join the sum. None when no layer produced one."""
+    total: torch.Tensor | None = None
+    pooled: LoadBalanceStats | None = None
+    for aux in auxes:
+        if aux is None:
+            continue
+        if isinstance(aux, LoadBalanceStats):
+            pooled = aux if pooled is None else pooled + aux
+        else:
+            total = aux if total is None else total + aux
+    if pooled is not None:
+        total = pooled.loss() if total is None else total + pooled.loss()
+    return total
 
 
 class TransformerBlock(Module):
@@ -52,8 +71,10 @@ class TransformerBlock(Module):
         """Whether the MLP is sparse."""
         return isinstance(self.mlp, MoE)
 
-    def pop_aux_loss(self) -> torch.Tensor | None:
-        """The auxiliary loss the MLP stored in its last forward (MoE load balancing), cleared; or None."""
+    def pop_aux_loss(self) -> torch.Tensor | LoadBalanceStats | None:
+        """The auxiliary loss the MLP stored in its last forward, cleared; or None. A 0-dim tensor (a
+        per-layer loss, summed over layers) or MoE router statistics that ``combine_aux_losses`` pools
+        over layers; pass every layer's value to it."""
         aux = getattr(self.mlp, "aux_loss", None)
         if aux is not None:
             self.mlp.aux_loss = None

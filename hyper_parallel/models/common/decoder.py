@@ -7,8 +7,9 @@ replaces ``embed`` with the text + VQ-image embedding):
 
 Each layer's token mixer owns its RoPE (if any); packed documents (``cu_seqlens`` over the flattened
 ``B*T`` stream) never attend to each other. When a layer's MLP has an auxiliary loss (MoE load
-balancing), ``forward`` returns ``ModelOutput(logits, aux_loss)`` with the sum over layers; it is read
-right after each layer's forward, so recomputation under activation checkpointing cannot count it twice.
+balancing), ``forward`` returns ``ModelOutput(logits, aux_loss)``: per-layer losses summed, MoE router
+statistics pooled over all layers first (as HF). Each layer's is read right after its forward, so
+recomputation under activation checkpointing cannot count it twice.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hyper_parallel.models.common.attention import AttentionMeta
-from hyper_parallel.models.common.block import TransformerBlock
+from hyper_parallel.models.common.block import TransformerBlock, combine_aux_losses
 from hyper_parallel.models.common.embedding import Embedding
 from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.moe import MoE
@@ -80,13 +81,11 @@ class Decoder(BaseModel):
         meta = AttentionMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         if position_ids is None:
             position_ids = meta.position_ids(B, T, device=h_BTD.device)
-        aux_loss = None
+        auxes = []
         for layer in self.layers:
             h_BTD = layer(h_BTD, position_ids=position_ids, meta=meta)
-            aux = layer.pop_aux_loss()
-            if aux is not None:
-                aux_loss = aux if aux_loss is None else aux_loss + aux
-        return h_BTD, aux_loss
+            auxes.append(layer.pop_aux_loss())
+        return h_BTD, combine_aux_losses(auxes)
 
     def head(self, h_BTD: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``[B, T, dim]`` -> logits ``[B, T, vocab_size]``."""

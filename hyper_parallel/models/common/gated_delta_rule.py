@@ -25,6 +25,7 @@ conv restarts the same way: ``K - 1`` zeros are placed before every document. Bo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -278,6 +279,9 @@ class GatedDeltaRule(Module):
     heads to whole sequences with a head chunk, and ``conv_weight_for_heads`` for the weight rows).
     """
 
+    cp_head_split_inputs: ClassVar[int] = 5
+    """Context parallel splits q, k, v, g, beta (token-major ``[B, T, H, ...]``) by heads (``context_parallel``)."""
+
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
         chunk_size: int = 64
@@ -306,6 +310,15 @@ class GatedDeltaRule(Module):
             q.view(B, T, Hk, Dk), k.view(B, T, Hk, Dk), v.view(B, T, Hv, Dv), g, beta,
             cu=cu, chunk_size=self.config.chunk_size,
         )  # fmt: skip
+
+    def cp_local_kwargs(self, args: tuple, kwargs: dict, *, rank: int, world: int) -> dict:
+        """Context parallel: the conv weight rows of head chunk ``rank`` (``args`` hold every head)."""
+        q, _, v = args[:3]
+        weight = self.conv_weight_for_heads(
+            kwargs["conv_weight"], head_k_dim=q.shape[-1], head_v_dim=v.shape[-1], n_k_heads=q.shape[2], rank=rank,
+            world=world,
+        )  # fmt: skip
+        return {**kwargs, "conv_weight": weight}
 
     @staticmethod
     def conv_weight_for_heads(

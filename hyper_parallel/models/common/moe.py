@@ -31,7 +31,7 @@ from hyper_parallel.models.common.token_dispatcher import LocalTokenDispatcher, 
 from hyper_parallel.protocols.module import Module
 from hyper_parallel.protocols.param_init import NormalInit, ParamInit
 
-__all__ = ["GroupedExperts", "MoE", "Router", "load_balancing_loss"]
+__all__ = ["GroupedExperts", "LoadBalanceStats", "MoE", "Router", "load_balancing_loss"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -84,12 +84,12 @@ class Router(Module):
         else:
             self.e_score_correction_bias = None
 
-    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        topk_idx_TK, topk_w_TK, _ = self.route(x_TD)
-        return topk_idx_TK, topk_w_TK
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(topk_idx_TK, topk_w_TK, scores_TE)``: the choice, its fp32 weights and every expert's fp32 score.
 
-    def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(topk_idx_TK, topk_w_TK, scores_TE)``: the choice, its fp32 weights and every expert's fp32 score."""
+        Always called as ``gate(x)``, never through a helper method: FSDP's unshard and the declared
+        input placements are module hooks that only run on ``__call__``.
+        """
         cfg = self.config
         logits_TE = F.linear(x_TD.float(), self.weight.float())
         scores_TE = logits_TE.sigmoid() if cfg.score_func == "sigmoid" else logits_TE.softmax(dim=-1)
@@ -171,17 +171,62 @@ def _validate_router(config: Router.Config, num_experts: int) -> None:
         fail(f"score_func={config.score_func!r} must be 'sigmoid' or 'softmax'")
 
 
+@dataclass(frozen=True, slots=True)
+class LoadBalanceStats:
+    """Router statistics of MoE forwards, pooled over layers the way HF ``load_balancing_loss_func`` does.
+
+    HF concatenates every layer's router logits and computes ONE Switch loss
+    ``E * sum_e f_e * P_e`` over all ``layers x tokens`` rows, which is not the sum of per-layer losses.
+    So each MoE stores these sums, ``+`` pools them across layers and :meth:`loss` takes the product once.
+    """
+
+    tokens_E: torch.Tensor
+    """fp32 ``[E]``: routed (top-k) slots per expert, summed over rows (the choice: no gradient)."""
+    probs_E: torch.Tensor
+    """fp32 ``[E]``: routing probability per expert, summed over rows (the router's gradient flows here)."""
+    rows: int
+    """Rows (token x layer) summed in."""
+    coef: float
+    """``router_aux_loss_coef`` the loss is multiplied by."""
+
+    @classmethod
+    def from_router(cls, scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, *, coef: float) -> LoadBalanceStats:
+        """One layer's sums: ``scores_TE`` normalised to 1 per token (the softmax itself for softmax routers)."""
+        num_tokens, num_experts = scores_TE.shape
+        probs_TE = (scores_TE / scores_TE.sum(dim=-1, keepdim=True)).float()
+        tokens_E = count_tokens_per_expert(topk_idx_TK, num_experts).to(torch.float32)
+        return cls(tokens_E=tokens_E, probs_E=probs_TE.sum(dim=0), rows=num_tokens, coef=coef)
+
+    def __add__(self, other: LoadBalanceStats) -> LoadBalanceStats:
+        if not isinstance(other, LoadBalanceStats):
+            return NotImplemented
+        if other.tokens_E.shape != self.tokens_E.shape or other.coef != self.coef:
+            raise ValueError(
+                "load-balancing statistics pool over layers only with equal num_experts and router_aux_loss_coef "
+                f"(got E={self.tokens_E.numel()}/{other.tokens_E.numel()}, coef={self.coef}/{other.coef})"
+            )
+        return LoadBalanceStats(
+            tokens_E=self.tokens_E + other.tokens_E,
+            probs_E=self.probs_E + other.probs_E,
+            rows=self.rows + other.rows,
+            coef=self.coef,
+        )
+
+    def loss(self) -> torch.Tensor:
+        """``coef * E * sum_e (tokens_e / rows) * (probs_e / rows)``: a 0-dim fp32 tensor."""
+        num_experts = self.tokens_E.numel()
+        return self.coef * num_experts * ((self.tokens_E / self.rows) * (self.probs_E / self.rows)).sum()
+
+
 def load_balancing_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor) -> torch.Tensor:
-    """Switch load-balancing loss ``E * sum_e f_e * P_e`` (HF ``load_balancing_loss_func`` for one layer).
+    """Switch load-balancing loss ``E * sum_e f_e * P_e`` of ONE layer (HF ``load_balancing_loss_func``
+    given one layer's logits).
 
     ``f_e`` = routed slots of expert e per token (the choice, no gradient), ``P_e`` = mean routing
     probability of e (scores normalised to sum 1 per token: the softmax itself for a softmax router).
-    A perfectly balanced router scores ``top_k``.
+    A perfectly balanced router scores ``top_k``. A whole model pools layers: :class:`LoadBalanceStats`.
     """
-    num_tokens, num_experts = scores_TE.shape
-    probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
-    f_E = count_tokens_per_expert(topk_idx_TK, num_experts).to(probs_TE.dtype) / num_tokens
-    return num_experts * (f_E * probs_TE.mean(dim=0)).sum()
+    return LoadBalanceStats.from_router(scores_TE, topk_idx_TK, coef=1.0).loss()
 
 
 class GroupedExperts(Module):
@@ -228,8 +273,9 @@ class MoE(Module):
     ``shared_expert_gate`` (Linear ``[1, D]`` or None), and ``dispatcher`` (a plain object;
     expert-parallel code replaces it). The non-persistent int64 buffer ``tokens_per_expert [E]``
     accumulates the routed counts of every forward, for load metrics and ``update_bias_correction``;
-    read it with ``pop_tokens_per_expert``. With ``router_aux_loss_coef > 0`` every forward stores
-    ``coef * load_balancing_loss`` in ``aux_loss`` (a 0-dim fp32 tensor; the block pops it).
+    read it with ``pop_tokens_per_expert``. With ``router_aux_loss_coef > 0`` every forward stores its
+    router statistics in ``aux_loss`` (a :class:`LoadBalanceStats`; the block pops it and the decoder
+    pools all layers into one loss, as HF does).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -262,15 +308,16 @@ class MoE(Module):
             self.shared_expert_gate = config.shared_expert_gate.build(in_features=dim, out_features=1)
         else:
             self.shared_expert_gate = None
-        self.aux_loss: torch.Tensor | None = None
+        self.aux_loss: LoadBalanceStats | None = None
         self.dispatcher = LocalTokenDispatcher(num_experts)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_TD = x.reshape(-1, x.shape[-1])
-        topk_idx_TK, topk_w_TK, scores_TE = self.gate.route(x_TD)
+        topk_idx_TK, topk_w_TK, scores_TE = self.gate(x_TD)
         if self.config.router_aux_loss_coef > 0:
-            self.aux_loss = self.config.router_aux_loss_coef * load_balancing_loss(scores_TE, topk_idx_TK)
+            # Sums, not a loss: HF pools the router statistics of all layers before the product.
+            self.aux_loss = LoadBalanceStats.from_router(scores_TE, topk_idx_TK, coef=self.config.router_aux_loss_coef)
         self._record_load(topk_idx_TK)
         x_SD, num_tokens_per_expert_E, state = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_w_TK)
         y_SD = self.experts(x_SD, num_tokens_per_expert_E)

@@ -29,7 +29,8 @@ def validate_qwen3_5_layout(config: Qwen3_5Model.Config, parallel_dims: Parallel
     """Check the layout against the model; ``ConfigError`` names the degree (or field) to change.
 
     TP and Ulysses CP split heads: they must divide the gated attention's query and key/value heads and
-    Gated DeltaNet's key (Hk) and value (Hv) heads. Gated DeltaNet layers run without TP and CP for now.
+    Gated DeltaNet's key (Hk) and value (Hv) heads. Ulysses CP splits DeltaNet heads around ``delta_rule``;
+    Gated DeltaNet layers run without TP for now.
     """
     attn = next((layer.self_attn for layer in config.layers if isinstance(layer.self_attn, GatedAttention.Config)), None)
     gdn = next((layer.self_attn for layer in config.layers if isinstance(layer.self_attn, GatedDeltaNet.Config)), None)
@@ -41,12 +42,12 @@ def validate_qwen3_5_layout(config: Qwen3_5Model.Config, parallel_dims: Parallel
                     f"does not divide the Gated DeltaNet {name} ({value}): set {_P}tensor_parallel_degree and "
                     f"{_P}context_parallel_degree so their product divides {value}"
                 )
-        for degree, name in ((parallel_dims.tp, "tensor_parallel_degree"), (parallel_dims.cp, "context_parallel_degree")):
-            if degree > 1:
-                raise ConfigError(
-                    f"{name} is {degree} but Gated DeltaNet layers do not support it yet: set {_P}{name} to 1 "
-                    "(use FSDP/HSDP and expert parallel for this model)"
-                )
+        if parallel_dims.tp > 1:
+            raise ConfigError(
+                f"tensor_parallel_degree is {parallel_dims.tp} but Gated DeltaNet layers do not support tensor "
+                f"parallel yet: set {_P}tensor_parallel_degree to 1 (use FSDP/HSDP, expert parallel and Ulysses "
+                f"{_P}context_parallel_degree for this model)"
+            )
     moes = [layer.mlp for layer in config.layers if isinstance(layer.mlp, MoE.Config)]
     tp_dims: dict[str, int] = {}
     for i, layer in enumerate(config.layers):

@@ -33,7 +33,7 @@ import tyro
 
 from hyper_parallel.data.vision_language.mrope import mrope_position_ids
 from hyper_parallel.models.common.attention import AttentionMeta, VarlenAttention
-from hyper_parallel.models.common.block import TransformerBlock
+from hyper_parallel.models.common.block import TransformerBlock, combine_aux_losses
 from hyper_parallel.models.common.decoder import Decoder
 from hyper_parallel.models.common.embedding import Embedding
 from hyper_parallel.models.common.feed_forward import FeedForward
@@ -137,11 +137,11 @@ class Qwen3VlMoeModel(Decoder):
     ) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
         """``(merged [M, D], deepstack features, real)``; ``real`` False = the dummy grid of a text-only batch."""
         has_images = pixel_values is not None and image_grid_thw is not None and image_grid_thw.numel() > 0
-        if has_images:
-            return (*self.visual(pixel_values, image_grid_thw), True)
+        dtype = self.visual.patch_embed.proj.weight.dtype
+        if has_images:  # the tower runs in its own dtype (full precision when frozen outside FSDP)
+            return (*self.visual(pixel_values.to(dtype), image_grid_thw), True)
         v = self.visual.config
         m = v.spatial_merge_size
-        dtype = self.visual.patch_embed.proj.weight.dtype
         dummy = torch.zeros(m * m, self.visual.patch_dim, device=device, dtype=dtype)
         return (*self.visual(dummy, [[1, m, m]]), False)
 
@@ -216,14 +216,13 @@ class Qwen3VlMoeModel(Decoder):
         h, idx, deep = self.embed(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw)
         B, T, D = h.shape
         meta = AttentionMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        aux_loss = None
+        auxes = []
         for i, layer in enumerate(self.layers):
             h = layer(h, position_ids=position_ids, meta=meta)
-            aux = layer.pop_aux_loss()
-            if aux is not None:
-                aux_loss = aux if aux_loss is None else aux_loss + aux
+            auxes.append(layer.pop_aux_loss())  # read right after the layer (activation checkpointing recomputes)
             if i < len(deep):  # deepstack: the tower's intermediate features join after the first layers
                 h = h.reshape(B * T, D).index_add(0, idx, deep[i]).view(B, T, D)
+        aux_loss = combine_aux_losses(auxes)
         logits = self.head(h)
         return logits if aux_loss is None else ModelOutput(logits, aux_loss)
 

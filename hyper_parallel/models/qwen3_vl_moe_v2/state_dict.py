@@ -216,13 +216,15 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen3VlMoeModel.Config:
             raise NotImplementedError("tie_word_embeddings=True checkpoints are not supported (lm_head is untied)")
         if text.get("hidden_act", "silu") != "silu":
             raise ValueError(f"text_config.hidden_act={text['hidden_act']!r}: only silu is implemented")
+        if "num_experts" not in text and "num_local_experts" in text:  # HF's attribute name in to_dict()
+            text["num_experts"] = text["num_local_experts"]
         kwargs = {**_VL_TEXT_DEFAULTS, **{k: text[k] for k in _VL_TEXT_KEYS if k in text}}
         rope = dict(text.get("rope_parameters") or {})
         if rope.get("rope_type", "default") != "default":
             raise NotImplementedError(f"rope_parameters.rope_type={rope['rope_type']!r}: only 'default' loads")
         aux = float(text.get("router_aux_loss_coef", 0.001)) if text.get("output_router_logits") else 0.0
         skip = set(_VL_TEXT_KEYS) | {"rope_parameters", "model_type", "hidden_act", "router_aux_loss_coef",
-                                    "output_router_logits", "tie_word_embeddings"}  # fmt: skip
+                                    "output_router_logits", "tie_word_embeddings", "num_local_experts"}  # fmt: skip
         extra = {
             "text": {k: v for k, v in text.items() if k not in skip and not k.startswith("_")},
             "rope": {k: v for k, v in rope.items() if k not in ("rope_theta", "mrope_section")},
@@ -286,7 +288,7 @@ def config_to_hf(cfg: Qwen3VlMoeModel.Config) -> dict[str, Any]:
         text.update(num_experts=0, mlp_only_layers=list(range(len(cfg.layers))))
     top.setdefault("architectures", ["Qwen3VLMoeForConditionalGeneration"])
     return {**top, **ids, "model_type": "qwen3_vl_moe", "text_config": text,
-            "vision_config": {**vision, "model_type": "qwen3_vl_moe"}, "tie_word_embeddings": False}  # fmt: skip
+            "vision_config": {**vision, "model_type": "qwen3_vl_moe_vision"}, "tie_word_embeddings": False}  # fmt: skip
 
 
 # ---- HF folders ------------------------------------------------------------------------------

@@ -104,7 +104,7 @@ def test_router_matches_hf(case):
     ours.load_state_dict(hf.state_dict())
     x_TD = _x(64, DIM)
     _, w_hf, idx_hf = hf.gate(x_TD)
-    idx, w = ours.gate(x_TD)
+    idx, w, _ = ours.gate(x_TD)
     assert idx.dtype == torch.int64 and w.dtype == torch.float32 and idx.shape == (64, case[3])
     idx_hf, w_hf = _sorted_choice(idx_hf, w_hf)
     idx, w = _sorted_choice(idx, w)
@@ -115,7 +115,7 @@ def test_router_matches_hf(case):
     # test would not cover them.
     with torch.no_grad():
         ours.gate.e_score_correction_bias.zero_()
-    idx_nobias, _ = _sorted_choice(*ours.gate(x_TD))
+    idx_nobias, _ = _sorted_choice(*ours.gate(x_TD)[:2])
     assert not torch.equal(idx_nobias, idx)
 
 
@@ -125,7 +125,7 @@ def test_group_limit_restricts_choices_to_topk_groups():
     router.init_weights()
     with torch.no_grad():
         router.weight.normal_(0.0, 0.3)
-    idx, _ = router(_x(256, DIM))
+    idx, _, _ = router(_x(256, DIM))
     groups_used = (idx // (num_experts // n_group)).sort(dim=-1).values
     distinct = 1 + (groups_used.diff(dim=-1) != 0).sum(-1)
     assert distinct.max() <= topk_group
@@ -278,7 +278,7 @@ def test_softmax_routing_matches_reference(n_group, topk_group, norm):
         router.weight.copy_(_x(num_experts, DIM, seed=5) * 0.2)
         router.e_score_correction_bias.copy_(_x(num_experts, seed=6) * 0.02)
     x_TD = _x(32, DIM)
-    idx, w = _sorted_choice(*router(x_TD))
+    idx, w = _sorted_choice(*router(x_TD)[:2])
     ref_idx, ref_w = _reference_softmax_route(
         F.linear(x_TD, router.weight), router.e_score_correction_bias, top_k, n_group, topk_group, norm, scale
     )
@@ -372,7 +372,7 @@ def test_load_statistics_and_bias_update():
     moe(x)
     moe(x[:1])
     counts = moe.tokens_per_expert.clone()
-    idx, _ = moe.gate(x.reshape(-1, DIM))
+    idx, _, _ = moe.gate(x.reshape(-1, DIM))
     expect = 2 * torch.bincount(idx.flatten(), minlength=num_experts)
     expect -= torch.bincount(idx[10:].flatten(), minlength=num_experts)  # the second call saw x[:1] only
     assert torch.equal(counts, expect) and counts.sum() == 30 * top_k

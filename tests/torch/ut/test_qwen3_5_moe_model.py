@@ -243,17 +243,37 @@ def test_bad_checkpoint_lists_every_problem(tmp_path):
         assert needle in msg, msg
 
 
-def test_aux_loss_is_returned_and_trains_the_router():
-    cfg = qwen3_5_moe_config(**_ours_tiny(), router_aux_loss_coef=0.01)
-    torch.manual_seed(0)
-    model = cfg.build()
-    model.init_weights()
-    logits, aux = split_output(model(_batch()))
-    assert logits.shape == (2, 20, V) and aux is not None and aux.dim() == 0
-    # 4 MoE layers, each >= coef * top_k (the balanced minimum of the Switch loss)
-    assert aux.item() >= 4 * 0.01 * 2 * 0.99
+@pytest.mark.parametrize("variant", ["hv2hk_3to1_e8k2", "hv4hk_dk4_dv10_alternating_e16k4"])
+def test_model_aux_loss_and_its_gradient_equal_hf(tmp_path, variant):
+    # HF pools the router statistics of ALL layers (load_balancing_loss_func over the concatenated router
+    # logits) before the Switch product; a sum of per-layer losses is about num_layers times larger.
+    coef = 0.01
+    hf = _hf_model(**HF_VARIANTS[variant], output_router_logits=True, router_aux_loss_coef=coef)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = from_pretrained(tmp_path / "hf")
+    assert ours.layers[0].mlp.config.router_aux_loss_coef == coef
+    ids = _batch(T=20)
+    out = hf(input_ids=ids, use_cache=False)
+    logits, aux = split_output(ours(ids))
+    assert (logits - out.logits).abs().max().item() <= TOL
+    assert aux is not None and aux.dim() == 0
+    want = coef * out.aux_loss  # HF returns the unweighted loss and adds coef * aux_loss to its loss
+    diff = abs(aux.item() - want.item())
+    assert diff <= 1e-7 * max(1.0, want.item()), (aux.item(), want.item())
+    (coef * out.aux_loss).backward()
     aux.backward()
-    assert model.layers[0].mlp.gate.weight.grad.abs().max() > 0
+    linear = {i for i, t in enumerate(hf.config.layer_types) if t == "linear_attention"}
+    hf_params = dict(hf.named_parameters())
+    worst = 0.0
+    for name, p in ours.named_parameters():
+        g = hf_params[_hf_name(name, linear)].grad
+        if name.endswith("mlp.gate.weight"):
+            assert p.grad is not None and p.grad.abs().max() > 0, name  # the loss trains every router
+        if g is None:
+            assert p.grad is None or not p.grad.any(), name
+            continue
+        worst = max(worst, (p.grad - g).abs().max().item())
+    assert worst <= 1e-7, worst
 
 
 def _ours_tiny() -> dict:
@@ -304,3 +324,28 @@ def test_a3b_parameter_count_on_meta(capsys):
     with capsys.disabled():
         print(f"\nqwen3_5_moe_a3b: total {total / 1e9:.2f}B, active {want_active / 1e9:.2f}B")
     assert abs(total / 1e9 - 34.66) < 0.01 and abs(want_active / 1e9 - 3.45) < 0.01
+
+
+@pytest.mark.parametrize(
+    ("degrees", "message"),
+    [
+        (dict(tensor_parallel_degree=2), "set --parallelism.tensor_parallel_degree to 1"),
+        (dict(context_parallel_degree=4), "does not divide the Gated DeltaNet linear_num_key_heads (2)"),
+        (dict(context_parallel_degree=2), None),  # Ulysses CP splits the DeltaNet heads: allowed
+        (dict(expert_parallel_degree=4), None),
+    ],
+)
+def test_validate_layout_names_the_degree_to_change(degrees, message):
+    from hyper_parallel.config import ParallelismConfig
+    from hyper_parallel.config.manager import ConfigError
+    from hyper_parallel.distributed.parallel_dims import ParallelDims
+    from hyper_parallel.models.qwen3_5_moe_v2.parallelize import validate_qwen3_5_moe_layout
+
+    cfg = qwen3_5_moe_config(**_ours_tiny())  # Hk 2, Hv 4, 4 q / 2 kv heads, 8 experts
+    pd = ParallelDims.from_config(ParallelismConfig(**degrees), 4)
+    if message is None:
+        validate_qwen3_5_moe_layout(cfg, pd)
+        return
+    with pytest.raises(ConfigError) as e:
+        validate_qwen3_5_moe_layout(cfg, pd)
+    assert message in str(e.value), str(e.value)

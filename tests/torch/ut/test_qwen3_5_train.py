@@ -13,7 +13,7 @@ import torch
 from hyper_parallel.config import ConfigManager
 from hyper_parallel.protocols.model import split_output
 
-STEPS = 8
+STEPS = 6
 
 # family -> (module, recipe, HF class name)
 FAMILIES = {

@@ -1,0 +1,440 @@
+"""``MixtureDataLoader``: several weighted sources (``data.sources``) in one layout-independent stream.
+
+Each source is a shard-backed loader of its own (``direct_token``, ``text``, ``vision_language``)
+with its own global packing plan (:mod:`.plan`): its global micro-batches ``k = 0, 1, 2, ...``
+(single-source rows, its own collate and model inputs). A small source repeats (its plan runs epoch
+after epoch), a large one streams. The mixture's global micro-batch ``g`` is micro-batch ``k`` of
+source ``s``, chosen by a deterministic token-deficit schedule (Megatron's blending, by tokens):
+
+    s(g) = argmax_s  w_s * (T - T0) - (t_s - t0_s)      (ties: the larger weight, then the first)
+
+``t_s`` the document tokens source ``s`` has given so far, ``T = sum t_s``, ``w`` the normalised
+weights, ``t0``/``T0`` the counts when the weights last changed. So the realised token share of every
+source stays within one micro-batch of its weight at every point, the seed (``data.seed``, each
+source's shard order and shuffle) decides which documents come, and the whole sequence is a function
+of the config alone: the same global batches on any DP degree and worker count; DP rank ``r`` reads
+only its own micro-batches (:mod:`.base`). Token counts come from the indexes, so scheduling reads
+no record.
+
+Every micro-batch gets ``source_ids`` (int64 ``[1, T]``: the source's index in
+:attr:`MixtureDataLoader.source_names` at every position), so the trainer can split the loss by
+source without knowing the model or the sources (:mod:`hyper_parallel.components.source_metrics`).
+
+**State** (global, plain data): the schedule counters at the next micro-batch, each source's next
+micro-batch and planner cursor, and the weights. Resuming with other weights (a curriculum step) is
+allowed with a warning and takes effect from the next step; resuming with a source added or removed
+is a :class:`~hyper_parallel.data.base.DataStateMismatch` that says how to start the stream fresh.
+
+**Metrics** (every step): ``bad_samples_skipped`` (all sources), and per source ``data/<name>/tokens``
+(document tokens so far), ``data/<name>/share`` (of the last step's document tokens),
+``data/<name>/epoch`` (the epoch of its latest micro-batch, from 0) and
+``data/<name>/bad_samples_skipped``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import math
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from hyper_parallel.data.bad_samples import IGNORE_INDEX, BadSampleError
+from hyper_parallel.data.base import BaseDataLoader, DataStateMismatch
+from hyper_parallel.data.plan import Cursor
+from hyper_parallel.data.sharded import MicroBatchReader, ReadItem, ShardedDataLoader, _ItemSampler, _passthrough
+from hyper_parallel.data.source_config import MIXTURE_SOURCE_TYPES, SourceConfig
+
+__all__ = ["MixtureDataLoader", "MixtureSchedule", "parse_sources"]
+
+logger = logging.getLogger("hyper_parallel.data")
+
+
+def parse_sources(entries: Sequence[SourceConfig | Mapping[str, Any]]) -> list[SourceConfig]:
+    """Check ``data.sources`` (run-file dicts or :class:`SourceConfig`); errors name the entry."""
+    names = [f.name for f in fields(SourceConfig)]
+    out: list[SourceConfig] = []
+    for i, entry in enumerate(entries):
+        where = f"data.sources[{i}]"
+        if isinstance(entry, Mapping):
+            unknown = [k for k in entry if k not in names]
+            if unknown:
+                close = difflib.get_close_matches(unknown[0], names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; keys: {', '.join(names)}"
+                raise ValueError(f"{where} ({entry.get('name', '?')!r}): unknown key {unknown[0]!r}{hint}")
+            entry = SourceConfig(**dict(entry))
+        if not isinstance(entry, SourceConfig):
+            raise ValueError(f"{where} must be a mapping of source options, got {type(entry).__name__}")
+        name = entry.name
+        if not name or not isinstance(name, str) or any(c in name for c in "/ \t\n"):
+            raise ValueError(f"{where} needs a `name` without '/' or spaces (metric keys use it), got {name!r}")
+        where = f"data source {name!r}"
+        if entry.source not in MIXTURE_SOURCE_TYPES:
+            raise ValueError(
+                f"{where}: source={entry.source!r} is not a source type a mixture can hold; use one of "
+                f"{', '.join(MIXTURE_SOURCE_TYPES)}"
+            )
+        weight = entry.weight
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+            raise ValueError(f"{where}: weight={weight!r} must be a number > 0")
+        if entry.loss_on not in ("document", "image", "text"):
+            raise ValueError(f"{where}: loss_on={entry.loss_on!r} must be one of document, image, text")
+        if entry.loss_on != "document" and entry.source != "direct_token":
+            raise ValueError(
+                f"{where}: loss_on={entry.loss_on!r} needs image and text targets in one stream (source "
+                f"direct_token); a {entry.source} source trains on its documents' own labels (loss_on document)"
+            )
+        if entry.on_bad_sample not in ("", "error", "skip"):
+            raise ValueError(f"{where}: on_bad_sample={entry.on_bad_sample!r} must be error, skip or empty")
+        clash = [j for j, o in enumerate(out) if o.name == name]
+        if clash:
+            raise ValueError(f"two data.sources are named {name!r} (entries {clash[0]} and {i}): give each a unique name")
+        out.append(entry)
+    if not out:
+        raise ValueError("data.sources is empty: list at least one source")
+    return out
+
+
+# -- the schedule --------------------------------------------------------------------------------
+@dataclass(slots=True)
+class _Counters:
+    """Schedule counters before a micro-batch: tokens and next micro-batch per source, weight base."""
+
+    tokens: list[int]
+    next: list[int]
+    base: list[int]
+
+    def copy(self) -> _Counters:
+        return _Counters(list(self.tokens), list(self.next), list(self.base))
+
+    def to_dict(self) -> dict[str, list[int]]:
+        return {"tokens": list(self.tokens), "next": list(self.next), "base": list(self.base)}
+
+
+class MixtureSchedule:
+    """Which source (and which of its micro-batches) is mixture micro-batch ``g``: see the module doc.
+
+    ``bin_tokens(s, k)`` gives the document tokens of micro-batch ``k`` of source ``s``. Entries are
+    planned lazily from ``first`` on and released once consumed; :meth:`counters` gives the
+    counters before any planned ``g`` (the checkpointed state).
+    """
+
+    def __init__(self, weights: Sequence[float], bin_tokens: Any, *, first: int = 0, counters: _Counters | None = None) -> None:
+        total = float(sum(weights))
+        self.weights = [w / total for w in weights]
+        self.bin_tokens = bin_tokens
+        n = len(weights)
+        self.first = first
+        self._front = counters.copy() if counters is not None else _Counters([0] * n, [0] * n, [0] * n)
+        self._tail = self._front.copy()
+        self._entries: deque[tuple[int, int, int]] = deque()  # (source, k, tokens) of g = first + i
+
+    def _plan_next(self) -> None:
+        c, w = self._tail, self.weights
+        total = sum(c.tokens) - sum(c.base)
+        best = max(range(len(w)), key=lambda s: (w[s] * total - (c.tokens[s] - c.base[s]), w[s], -s))
+        k = c.next[best]
+        n = int(self.bin_tokens(best, k))
+        self._entries.append((best, k, n))
+        c.tokens[best] += n
+        c.next[best] = k + 1
+
+    def entry(self, g: int) -> tuple[int, int, int]:
+        """``(source, k, tokens)`` of mixture micro-batch ``g`` (plans ahead as needed)."""
+        if g < self.first:
+            raise ValueError(f"mixture micro-batch {g} was released from the schedule (it starts at {self.first})")
+        while g >= self.first + len(self._entries):
+            self._plan_next()
+        return self._entries[g - self.first]
+
+    def counters(self, g: int) -> _Counters:
+        """The counters before micro-batch ``g`` (``first <= g``; plans ahead as needed)."""
+        if g > self.first:
+            self.entry(g - 1)
+        c = self._front.copy()
+        for s, k, n in list(self._entries)[: g - self.first]:
+            c.tokens[s] += n
+            c.next[s] = k + 1
+        return c
+
+    def release(self, g: int) -> None:
+        """Forget the entries before ``g``."""
+        if g > self.first:
+            self.entry(g - 1)
+        while self.first < g:
+            s, k, n = self._entries.popleft()
+            self._front.tokens[s] += n
+            self._front.next[s] = k + 1
+            self.first += 1
+
+
+# -- the loader ----------------------------------------------------------------------------------
+class _MixtureReader(torch.utils.data.Dataset):
+    """Reads ``(source, ReadItem)`` with that source's reader (main process or DataLoader worker)."""
+
+    def __init__(self, readers: Sequence[MicroBatchReader]) -> None:
+        self.readers = list(readers)
+
+    def __getitem__(self, item: tuple[int, ReadItem]) -> tuple[int, dict[str, Any]]:
+        s, read = item
+        return self.readers[s][read]
+
+
+class MixtureDataLoader(BaseDataLoader):
+    """The sources of ``data.sources`` mixed by weight (module docstring); built by ``DataConfig.build``
+    whenever ``data.sources`` is set."""
+
+    def __init__(self, config: BaseDataLoader.Config, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        c = config
+        if c.path:
+            raise ValueError(
+                f"data.path={c.path!r} and data.sources are both set: give the path of each source in its "
+                "data.sources entry (a single --data.path is a one-source run without data.sources)"
+            )
+        self.sources = parse_sources(c.sources)
+        self.source_names = tuple(s.name for s in self.sources)
+        self.children: list[ShardedDataLoader] = [self._build_child(s, kwargs) for s in self.sources]
+        for child, src in zip(self.children, self.sources):
+            self._check_readable(child, src)
+        self._vocab = [int(getattr(getattr(ch, "spec", None), "lang_vocab_size", 0)) for ch in self.children]
+        total = sum(float(s.weight) for s in self.sources)
+        self.weights = [float(s.weight) / total for s in self.sources]
+        """Normalised weights (shares of the tokens), in ``source_names`` order."""
+        self._schedule = self._new_schedule(0, None)
+        self._reader = _MixtureReader([ch._reader for ch in self.children])
+        self._items: Iterator[tuple[int, dict[str, Any]]] | None = None
+        self._items_next = -1
+
+    # -- construction --------------------------------------------------------------------------
+    def _build_child(self, src: SourceConfig, kwargs: Mapping[str, Any]) -> ShardedDataLoader:
+        c = self.config
+        overrides = {
+            "source": src.source,
+            "path": src.path,
+            "sources": [],
+            "global_batch_tokens": 0,
+            "num_workers": 0,  # the mixture runs the workers (one DataLoader over every source)
+            "on_bad_sample": src.on_bad_sample or c.on_bad_sample,
+            "tokenizer": src.tokenizer or c.tokenizer,
+            "text_column": src.text_column or c.text_column,
+            "split_long_documents": src.split_long_documents or c.split_long_documents,
+        }
+        child_config = dataclasses.replace(c, **overrides)
+        try:
+            child = child_config.build(**kwargs)
+        except (ValueError, OSError) as e:  # BadSampleError and FileNotFoundError included
+            raise type(e)(f"data source {src.name!r} ({src.source}, path {src.path!r}): {e}") from None
+        if not isinstance(child, ShardedDataLoader):  # pragma: no cover - MIXTURE_SOURCE_TYPES are sharded
+            raise TypeError(f"data source {src.name!r}: {src.source} is not a shard-backed source")
+        return child
+
+    @staticmethod
+    def _check_readable(child: ShardedDataLoader, src: SourceConfig) -> None:
+        """A source must have at least one usable record (otherwise its schedule could never advance)."""
+        table = child.table
+        for shard in range(len(table.shards)):
+            if (table.units(shard)[1] == 0).any():
+                return
+        raise BadSampleError(
+            f"data source {src.name!r} ({src.source}, path {src.path!r}) has no readable sample "
+            f"({int(table.num_records.sum())} records, all unusable; skipped: {child.bad_sample_counts}): "
+            "check its path and data"
+        )
+
+    def _bin_tokens(self, s: int, k: int) -> int:
+        child = self.children[s]
+        table, max_tokens = child.table, child.config.max_tokens_per_microbatch
+        n = 0
+        for shard, record, piece in child._planner.bin(k):
+            length = int(table.units(shard)[0][record])
+            n += min(max_tokens, length - piece * max_tokens) if length > max_tokens else length
+        return n
+
+    def _new_schedule(self, first: int, counters: _Counters | None) -> MixtureSchedule:
+        return MixtureSchedule(self.weights, self._bin_tokens, first=first, counters=counters)
+
+    # -- reading -------------------------------------------------------------------------------
+    def _item(self, g: int) -> tuple[int, ReadItem]:
+        s, k, _ = self._schedule.entry(g)
+        child = self.children[s]
+        return s, ReadItem(g, tuple(child.table.span(ref) for ref in child._planner.bin(k)))
+
+    def _finish(self, g: int, batch: dict[str, Any]) -> dict[str, Any]:
+        """Add ``source_ids`` and apply the source's ``loss_on``."""
+        s = self._schedule.entry(g)[0]
+        labels = batch["labels"]
+        loss_on = self.sources[s].loss_on
+        if loss_on != "document":
+            image = labels >= self._vocab[s]  # DirectToken image targets are code + vocab_size
+            drop = (labels != IGNORE_INDEX) & (~image if loss_on == "image" else image)
+            batch["labels"] = labels.masked_fill(drop, IGNORE_INDEX)
+        batch["source_ids"] = torch.full(labels.shape, s, dtype=torch.int64)
+        return batch
+
+    def _rank_items(self, first_step_g: int) -> Iterator[tuple[int, ReadItem]]:
+        g0 = first_step_g
+        while True:
+            for g in self.my_micro_batches(g0):
+                yield self._item(g)
+            g0 += self.global_micro_batches
+
+    def _micro_batches(self, gs: range) -> list[dict[str, Any]]:
+        if self.config.num_workers == 0:
+            out = [self._finish(g, self._reader[self._item(g)][1]) for g in gs]
+        else:
+            if self._items is None or self._items_next != gs[0]:
+                self._start_workers(gs[0])
+            out = []
+            for g in gs:
+                got, batch = next(self._items)
+                if got != g:  # the DataLoader returns work in order: this would be a bug
+                    raise RuntimeError(f"data workers returned mixture micro-batch {got}, expected {g}")
+                out.append(self._finish(g, batch))
+            self._items_next = gs[0] + self.global_micro_batches
+        step_start = gs[0] - self.dp_rank * self.micro_batches_per_step
+        self._schedule.entry(step_start + self.global_micro_batches - 1)  # the whole step: metrics need it
+        self._release(step_start)
+        return out
+
+    def _release(self, g: int) -> None:
+        """Forget the schedule before ``g`` and each source's plan before its micro-batch there."""
+        self._schedule.release(g)
+        for child, k in zip(self.children, self._schedule._front.next):
+            if k > 0:
+                child._planner.release(k - 1)
+
+    def _start_workers(self, first: int) -> None:
+        self.close()
+        loader = torch.utils.data.DataLoader(
+            self._reader,
+            batch_size=None,
+            sampler=_ItemSampler(self._rank_items(first - self.dp_rank * self.micro_batches_per_step)),
+            num_workers=self.config.num_workers,
+            collate_fn=_passthrough,
+            prefetch_factor=2,
+        )
+        self._items = iter(loader)
+        self._items_next = first
+
+    def close(self) -> None:
+        self._items = None
+        self._items_next = -1
+
+    # -- metrics -------------------------------------------------------------------------------
+    def _next_counters(self) -> _Counters:
+        return self._schedule.counters(self.next_micro_batch)
+
+    def _source_bad(self, s: int, k: int) -> dict[str, int]:
+        child = self.children[s]
+        counts = dict(child._startup_bad)
+        if k > 0:
+            for kind, n in child._planner.window_of(k - 1).after.bad.items():
+                counts[kind] = counts.get(kind, 0) + n
+        return counts
+
+    @property
+    def bad_sample_counts(self) -> dict[str, int]:
+        nxt = self._next_counters().next
+        counts: dict[str, int] = {}
+        for s in range(len(self.children)):
+            for kind, n in self._source_bad(s, nxt[s]).items():
+                counts[kind] = counts.get(kind, 0) + n
+        return counts
+
+    def step_tokens(self) -> list[int]:
+        """Document tokens of every source in the last step (zeros before the first step)."""
+        out = [0] * len(self.children)
+        start = self.next_micro_batch - self.global_micro_batches
+        if start < self._schedule.first:
+            return out
+        for g in range(start, self.next_micro_batch):
+            s, _, n = self._schedule.entry(g)
+            out[s] += n
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        nxt = self._next_counters()
+        step = self.step_tokens()
+        total = max(sum(step), 1)
+        out: dict[str, float] = {}
+        bad_total = 0
+        for s, name in enumerate(self.source_names):
+            bad = sum(self._source_bad(s, nxt.next[s]).values())
+            bad_total += bad
+            k = nxt.next[s]
+            epoch = self.children[s]._planner.window_of(k - 1).before.epoch if k > 0 else 0
+            out[f"data/{name}/tokens"] = float(nxt.tokens[s])
+            out[f"data/{name}/share"] = step[s] / total
+            out[f"data/{name}/epoch"] = float(epoch)
+            out[f"data/{name}/bad_samples_skipped"] = float(bad)
+        return {"bad_samples_skipped": float(bad_total), **out}
+
+    # -- state ---------------------------------------------------------------------------------
+    def _order(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "source": "mixture",
+            "seed": c.seed,
+            "max_tokens_per_microbatch": c.max_tokens_per_microbatch,
+            "sources": list(self.source_names),
+            **{
+                f"source/{name}": {**child._order(), "loss_on": src.loss_on}
+                for name, child, src in zip(self.source_names, self.children, self.sources)
+            },
+        }
+
+    def _plan_state(self) -> dict[str, Any]:
+        counters = self._next_counters()
+        cursors = []
+        for child, k in zip(self.children, counters.next):
+            cursors.append(None if k == 0 else child._planner.window_of(k - 1).before.to_dict())
+        return {"counters": counters.to_dict(), "cursors": cursors, "weights": list(self.weights)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        saved = state.get("order", {}).get("sources") if isinstance(state.get("order"), Mapping) else None
+        if saved is not None and list(saved) != list(self.source_names):
+            added = [n for n in self.source_names if n not in saved]
+            removed = [n for n in saved if n not in self.source_names]
+            what = "; ".join(
+                part
+                for part in (f"added {added}" if added else "", f"removed {removed}" if removed else "")
+                if part
+            ) or f"reordered (saved {list(saved)}, now {list(self.source_names)})"
+            raise DataStateMismatch(
+                f"cannot resume the data mixture: data.sources changed ({what}). A mixture resumes with the same "
+                "sources (weights may change); to train on other sources, start the data stream fresh with "
+                "--checkpoint.restart_data_stream (model and optimizer resume, the data starts from its beginning)"
+            )
+        super().load_state_dict(state)
+
+    def _load_plan_state(self, plan: Mapping[str, Any] | None) -> None:
+        if plan is None:  # saved before the first step
+            plan = {"counters": None, "cursors": [None] * len(self.children), "weights": list(self.weights)}
+        for child, cursor in zip(self.children, plan["cursors"]):
+            child._load_plan_state(cursor)
+        c = plan["counters"]
+        counters = None if c is None else _Counters([int(v) for v in c["tokens"]], [int(v) for v in c["next"]], [int(v) for v in c["base"]])
+        saved_weights = [float(w) for w in plan["weights"]]
+        if counters is not None and not np.allclose(saved_weights, self.weights, rtol=1e-9, atol=0):
+            logger.warning(
+                "data.sources weights changed on resume: %s -> %s; the new weights apply from the next step",
+                dict(zip(self.source_names, saved_weights)),
+                dict(zip(self.source_names, self.weights)),
+            )
+            counters.base = list(counters.tokens)
+        self._schedule = self._new_schedule(self.next_micro_batch, counters)
+
+    def _skip_to(self, g: int) -> None:
+        self.close()
+        if g > self._schedule.first:
+            self._release(g)
+        for child, k in zip(self.children, self._schedule._front.next):
+            child._skip_to(k)

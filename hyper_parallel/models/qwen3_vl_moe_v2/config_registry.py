@@ -1,0 +1,94 @@
+"""Recipes of VL runs: plain functions returning ``Trainer.Config``; variants call and change another.
+
+    python -m hyper_parallel.train --module qwen3_vl_moe --config qwen3_vl_moe_debug
+"""
+
+from __future__ import annotations
+
+from hyper_parallel.components import CheckpointManager, LRSchedulersContainer, MetricsProcessor, OptimizersContainer
+from hyper_parallel.config import ParallelismConfig, TrainingConfig
+from hyper_parallel.data import VisionLanguageDataLoader
+from hyper_parallel.data.vision_language.preprocess import ImageProcessor
+from hyper_parallel.models.qwen3_vl_moe_v2.model import qwen3_5_moe_vl_config, qwen3_vl_moe_config
+from hyper_parallel.trainer import Trainer
+
+__all__ = ["qwen3_5_moe_vl_debug", "qwen3_vl_moe_a3b", "qwen3_vl_moe_a3b_ep8", "qwen3_vl_moe_debug"]
+
+# The toy VL corpus uses the 512-id toy tokenizer; image / vision-start / vision-end ids 512..514.
+_TOY_IDS = dict(image_token_id=512, vision_start_token_id=513, vision_end_token_id=514, video_token_id=515)
+_TOY_VISION = dict(depth=2, dim=32, n_heads=2, intermediate_size=64, patch_size=16, temporal_patch_size=2,
+                   spatial_merge_size=2, num_position_embeddings=16)  # fmt: skip
+
+
+def _debug_trainer(model, spec: str) -> Trainer.Config:
+    return Trainer.Config(
+        model_spec=spec,
+        model=model,
+        training=TrainingConfig(steps=60, max_norm=1.0),
+        data=VisionLanguageDataLoader.Config(
+            max_tokens_per_microbatch=512, global_batch_tokens=1024,
+            image=ImageProcessor.Config(min_pixels=32 * 32, max_pixels=128 * 128),
+        ),  # fmt: skip
+        optimizer=OptimizersContainer.Config(name="adamw", lr=3e-3, weight_decay=0.01),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=5, decay_type="cosine", min_lr_ratio=0.1),
+        checkpoint=CheckpointManager.Config(enable=True, interval=50, keep_latest_k=2, export_hf=True, export_dtype="float32"),
+        metrics=MetricsProcessor.Config(log_freq=10),
+    )
+
+
+def qwen3_vl_moe_debug() -> Trainer.Config:
+    """Tiny Qwen3-VL-MoE (2-block tower with deepstack, 3 text layers, one dense) on the toy VL corpus."""
+    model = qwen3_vl_moe_config(
+        vocab_size=520, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=96, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+        mlp_only_layers=[2], rope_theta=5e6, mrope_section=(4, 2, 2), router_aux_loss_coef=0.001,
+        max_position_embeddings=4096, vision={**_TOY_VISION, "deepstack_visual_indexes": (0, 1)}, **_TOY_IDS,
+    )  # fmt: skip
+    return _debug_trainer(model, "qwen3_vl_moe")
+
+
+def qwen3_5_moe_vl_debug() -> Trainer.Config:
+    """Tiny Qwen3.5-MoE VL (3 DeltaNet + 1 gated-attention layer, tower without deepstack) on the toy VL corpus."""
+    model = qwen3_5_moe_vl_config(
+        vocab_size=520, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=48, rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=(2, 1, 1),
+        router_aux_loss_coef=0.001, max_position_embeddings=4096, vision=dict(_TOY_VISION), **_TOY_IDS,
+    )  # fmt: skip
+    return _debug_trainer(model, "qwen3_vl_moe")
+
+
+def qwen3_vl_moe_a3b() -> Trainer.Config:
+    """Qwen3-VL-30B-A3B dims (reference doc section 6): text 30.5B total / ~3.35B active, bf16 FSDP.
+
+    Text: hidden 2048, 48 layers, 32 q / 4 kv heads of 128, full-rotary M-RoPE (24, 20, 20), theta 5e6,
+    128 experts top-8 of 768, vocab 151936, untied. Tower: depth 27, width 1152, 16 heads, MLP 4304,
+    patch 16, 48 x 48 positions, deepstack after blocks 8, 16, 24. Load real weights with from_pretrained.
+    """
+    model = qwen3_vl_moe_config(
+        vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, intermediate_size=6144, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        rope_theta=5e6, mrope_section=(24, 20, 20), rms_norm_eps=1e-6, max_position_embeddings=262144,
+        vision=dict(depth=27, dim=1152, n_heads=16, intermediate_size=4304, patch_size=16, temporal_patch_size=2,
+                    spatial_merge_size=2, num_position_embeddings=2304, deepstack_visual_indexes=(8, 16, 24)),
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+    )  # fmt: skip
+    return Trainer.Config(
+        model_spec="qwen3_vl_moe",
+        model=model,
+        training=TrainingConfig(steps=10000, max_norm=1.0, mixed_precision_param="bfloat16"),
+        parallelism=ParallelismConfig(data_parallel_shard_degree=-1),
+        data=VisionLanguageDataLoader.Config(max_tokens_per_microbatch=8192, global_batch_tokens=0, num_workers=2),
+        optimizer=OptimizersContainer.Config(name="adamw", lr=2e-5, weight_decay=0.1),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=200, decay_type="cosine", min_lr_ratio=0.1),
+        checkpoint=CheckpointManager.Config(enable=True, interval=500, keep_latest_k=3, async_mode="async"),
+        metrics=MetricsProcessor.Config(log_freq=10),
+    )
+
+
+def qwen3_vl_moe_a3b_ep8() -> Trainer.Config:
+    """``qwen3_vl_moe_a3b`` with the 128 routed experts spread over 8 expert-parallel ranks."""
+    cfg = qwen3_vl_moe_a3b()
+    cfg.parallelism.expert_parallel_degree = 8
+    return cfg

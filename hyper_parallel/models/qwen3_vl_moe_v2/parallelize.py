@@ -1,0 +1,105 @@
+"""Parallelise a VL model: CP -> AC -> TP/SP -> EP -> compile -> FSDP2 (``hyper_parallel.distributed.parallelize``).
+
+This file supplies only the model's facts: layout checks, declared placements (``sharding.py``; the
+vision tower has none: FSDP only) and the FSDP units. Vision blocks are ``layers`` of the shared
+``parallelize_decoder`` (AC + FSDP units; they declare no TP/EP placements, so TP/EP leave them whole);
+the mergers are FSDP units of their own. The model runs the tower in every forward (a dummy grid when
+a micro-batch has no image), so every rank calls every unit. With ``freeze_vision`` the whole tower is
+FSDP-ignored: whole on every rank, no gradient, no communication.
+"""
+
+from __future__ import annotations
+
+from hyper_parallel.config.manager import ConfigError
+from hyper_parallel.config.parallelism import ParallelismConfig
+from hyper_parallel.config.training import ActivationCheckpointConfig, CompileConfig, TrainingConfig
+from hyper_parallel.distributed.parallel_dims import ParallelDims
+from hyper_parallel.distributed.parallelize import declared_shardings, parallelize_decoder
+from hyper_parallel.models.common.feed_forward import FeedForward
+from hyper_parallel.models.common.moe import MoE
+from hyper_parallel.models.qwen3_5_v2.parallelize import validate_qwen3_5_layout
+from hyper_parallel.models.qwen3_vl_moe_v2.model import Qwen3VlMoeModel
+from hyper_parallel.models.qwen3_vl_moe_v2.sharding import set_qwen3_vl_moe_sharding_config
+
+__all__ = ["parallelize_qwen3_vl_moe", "validate_qwen3_vl_moe_layout"]
+
+_P = "--parallelism."
+
+
+def validate_qwen3_vl_moe_layout(config: Qwen3VlMoeModel.Config, parallel_dims: ParallelDims) -> None:
+    """Check the layout against the model; ``ConfigError`` names the degree (or field) to change."""
+    if parallel_dims.cp > 1:
+        raise ConfigError(
+            f"context_parallel_degree is {parallel_dims.cp} but the VL model cannot place its visual tokens in a "
+            f"sequence chunk yet (the CP split hook does not see input_ids): set {_P}context_parallel_degree 1"
+        )
+    if config.visual.deepstack_visual_indexes and parallel_dims.sp_enabled:
+        raise ConfigError(
+            "sequence parallel splits the residual stream between layers, where deepstack adds visual features "
+            f"at whole-sequence positions: set {_P}enable_sequence_parallel false (or use no TP)"
+        )
+    if config.text_family == "qwen3_5_moe":
+        validate_qwen3_5_layout(config, parallel_dims)
+        return
+    attn = config.layers[0].self_attn
+    moes = [layer.mlp for layer in config.layers if isinstance(layer.mlp, MoE.Config)]
+    ffn = next((layer.mlp for layer in config.layers if isinstance(layer.mlp, FeedForward.Config)), None)
+    parallel_dims.validate_model(
+        n_heads=attn.n_heads,
+        n_kv_heads=attn.n_kv_heads,
+        n_routed_experts=moes[0].num_experts if moes else None,
+        tp_dims={"intermediate_size": ffn.hidden_dim} if ffn is not None else {},
+        efsdp_dims={"2 x moe_intermediate_size": 2 * moes[0].experts.hidden_dim, "hidden_size": config.dim}
+        if moes
+        else {},
+    )
+
+
+def parallelize_qwen3_vl_moe(
+    model: Qwen3VlMoeModel,
+    *,
+    parallel_dims: ParallelDims,
+    training: TrainingConfig,
+    parallelism: ParallelismConfig,
+    ac_config: ActivationCheckpointConfig,
+    compile_config: CompileConfig,
+) -> Qwen3VlMoeModel:
+    """Apply the layout of ``parallel_dims`` to ``model`` in place (meta or materialised) and return it.
+
+    Gradients are SUMMED over data-parallel ranks: normalise the loss by the global token count.
+    """
+    validate_qwen3_vl_moe_layout(model.config, parallel_dims)
+    declared = declared_shardings(
+        set_qwen3_vl_moe_sharding_config(
+            model.config,
+            loss_parallel=parallel_dims.loss_parallel_enabled,
+            enable_sp=parallel_dims.sp_enabled,
+            ep_degree=parallel_dims.ep,
+        )
+    )
+    carried = declared_shardings(model.config)
+    if carried and carried != declared:
+        differ = sorted(k for k in carried.keys() | declared.keys() if carried.get(k) != declared.get(k))
+        raise ValueError(
+            f"the model was built from a config sharded for another layout (first differences: {differ[:3]}): "
+            "build it from the unsharded config or from this run's sharding config"
+        )
+    visual = model.visual
+    frozen = model.config.freeze_vision
+    vision_layers = [] if frozen else list(visual.blocks)
+    vision_units = [] if frozen else [visual.merger, *visual.deepstack_merger_list]
+    return parallelize_decoder(
+        model,
+        declared=declared,
+        parallel_dims=parallel_dims,
+        training=training,
+        parallelism=parallelism,
+        ac_config=ac_config,
+        compile_config=compile_config,
+        layers=[*vision_layers, *model.layers],
+        embeddings=[model.embed_tokens, *vision_units],
+        head=[model.lm_head],
+        ignored_params=[],
+        # The frozen tower runs in full precision outside FSDP; its output is cast to the text dtype in embed.
+        cast_input_modules=[],
+    )
