@@ -32,6 +32,7 @@ from hyper_parallel.components import (
     Profiler,
     assert_finite,
 )
+from hyper_parallel.components.source_metrics import SourceLossMeter
 from hyper_parallel.config.dtypes import to_torch_dtype
 from hyper_parallel.config import (
     ActivationCheckpointConfig,
@@ -126,11 +127,12 @@ class Trainer(Configurable):
         self.parallel_dims.build_mesh(self.device.type)
 
         # 2. data: its config is checked against the layout and the model's facts before the model is built
-        if config.data.source not in self.spec.data_sources:
-            raise ValueError(
-                f"--data.source {config.data.source} is not a source model {self.spec.name!r} takes; use one of "
-                f"{list(self.spec.data_sources)}"
-            )
+        for source in config.data.source_types():  # data.source, or the type of every data.sources entry
+            if source not in self.spec.data_sources:
+                raise ValueError(
+                    f"data source type {source!r} is not one model {self.spec.name!r} takes; use one of "
+                    f"{list(self.spec.data_sources)} (--data.source or data.sources[*].source)"
+                )
         self.dp_rank, self.dp_world = self._dp_coordinates()
         # CP splits every row into equal chunks, and SP splits each chunk again over TP ranks.
         pd = self.parallel_dims
@@ -318,28 +320,30 @@ class Trainer(Configurable):
         cfg = self.config
         pd = self.parallel_dims
         cp_rank = pd.mesh_coordinate("cp") if pd.cp > 1 else 0
-        host_batches = self.data.next_step()
+        # Context parallel: each CP rank keeps a contiguous chunk of every row (attention sees all); split on
+        # the host so only the chunk is copied to the device.
+        host_batches = [
+            split_batch_for_cp(
+                mb, cp_rank, pd.cp, split_inputs=self.model_cls.split_inputs_for_cp, model_keys=self.model_cls.input_keys
+            )
+            for mb in self.data.next_step()
+        ]
         # Exact global token mean: labelled tokens counted on the host (no device sync), one all-reduce.
         local_tokens = sum(int((mb["labels"] != cfg.loss.ignore_index).sum()) for mb in host_batches)
         local_inputs = sum(mb["input_ids"].numel() for mb in host_batches)
-        counts = self._sum_over_token_ranks(torch.tensor([local_tokens, local_inputs], dtype=torch.float64))
+        counts = self._sum_over_token_ranks(
+            torch.tensor([local_tokens, local_inputs], dtype=torch.float64, device=self.device)
+        )
         global_tokens, global_inputs = counts.tolist()
-        micro_batches = [
-            split_batch_for_cp(
-                self._to_device(mb),
-                cp_rank,
-                pd.cp,
-                split_inputs=self.model_cls.split_inputs_for_cp,
-                model_keys=self.model_cls.input_keys,
-            )
-            for mb in host_batches
-        ]
+        micro_batches = [self._to_device(mb) for mb in host_batches]
         self.optimizers.zero_grad()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         aux_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         # An auxiliary loss (MoE load balancing) is a mean per forward: average it over the step's
         # forwards on every rank that holds different tokens (gradients are summed over those ranks).
         aux_scale = 1.0 / (len(micro_batches) * self._token_ranks())
+        names = self.data.source_names  # a mixture: per-source token losses for the metrics
+        per_source = SourceLossMeter(names, device=self.device, ignore_index=cfg.loss.ignore_index) if names else None
         n = len(micro_batches)
         for i, mb in enumerate(micro_batches):
             self._set_grad_sync(last=i == n - 1)
@@ -354,6 +358,8 @@ class Trainer(Configurable):
                 )
                 logits, aux_loss = split_output(out)
                 loss = self.loss_fn(logits, mb["labels"], num_tokens=global_tokens)
+                if per_source is not None:
+                    per_source.add(mb["labels"], mb["source_ids"], token_loss_sum=loss.detach() * global_tokens)
                 if aux_loss is not None:
                     aux_sum += aux_loss.detach().float() * aux_scale
                     loss = loss + aux_loss * aux_scale
@@ -380,6 +386,8 @@ class Trainer(Configurable):
             self.ema.update(self.model)
         expert_load = self._expert_load_and_balance()
         extra = {"skipped": float(not finite), **self.data.metrics()}
+        if per_source is not None:
+            extra.update(per_source.reduce(self._sum_over_token_ranks))  # loss/<name>
         if self.model_has_aux_loss is not False:
             aux = self._sum_over_token_ranks(aux_sum).item()
             self.model_has_aux_loss = self.model_has_aux_loss or aux != 0.0

@@ -16,6 +16,7 @@ import importlib
 import json
 import pkgutil
 import sys
+import typing
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -217,6 +218,16 @@ def _apply(node: Any, overrides: dict[str, Any], *, prefix: str, source: str) ->
             if not isinstance(value, dict):
                 raise ConfigError(f"{source}: {full!r} is a section; give it a mapping, not {value!r}")
             _apply(current, value, prefix=full + ".", source=source)
+        elif isinstance(current, list) and not current and isinstance(value, list) and _item_class(node, key):
+            # an empty list of sub-configs (`data.sources`): the run file gives the items
+            item_cls = _item_class(node, key)
+            items = []
+            for i, sub in enumerate(value):
+                if not isinstance(sub, dict):
+                    raise ConfigError(f"{source}: {full}.{i} must be a mapping of {item_cls.__name__} fields, not {sub!r}")
+                items.append(item_cls())
+                _apply(items[-1], sub, prefix=f"{full}.{i}.", source=source)
+            setattr(node, key, items)
         elif isinstance(current, list) and current and dataclasses.is_dataclass(current[0]):
             items = value.items() if isinstance(value, dict) else enumerate(value)
             for idx, sub in items:
@@ -226,6 +237,16 @@ def _apply(node: Any, overrides: dict[str, Any], *, prefix: str, source: str) ->
                 _apply(current[i], sub, prefix=f"{full}.{i}.", source=source)
         else:
             setattr(node, key, _check_value(f"{source}: {full!r}", current, value))
+
+
+def _item_class(node: Any, key: str) -> type | None:
+    """The dataclass ``X`` of a field annotated ``list[X]`` (None otherwise)."""
+    try:
+        hint = typing.get_type_hints(type(node)).get(key)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: not a list of sub-configs
+        return None
+    args = typing.get_args(hint) if typing.get_origin(hint) is list else ()
+    return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
 
 
 class ConfigManager:

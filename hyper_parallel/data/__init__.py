@@ -9,7 +9,9 @@ whose ``build(dp_rank=, dp_world_size=, seq_multiple=, model_facts=)`` returns t
   files tokenised once into a cache;
 - ``vision_language`` (:class:`VisionLanguageDataLoader`): images + text webdataset shards;
 - ``preset_pt`` (:class:`PresetDataLoader`): saved micro-batches;
-- ``dummy`` (:class:`DummyDataLoader`): random tokens.
+- ``dummy`` (:class:`DummyDataLoader`): random tokens;
+- ``data.sources`` set (:class:`MixtureDataLoader`): several of the shard-backed sources above, each a
+  :class:`SourceConfig` with a name and a weight, mixed by tokens (:mod:`.mixture`).
 
 Every loader implements :class:`BaseDataLoader`: ``next_step()`` (this DP rank's micro-batches),
 ``state_dict()`` / ``load_state_dict()`` (the same state on every rank; resumes on any DP degree
@@ -35,8 +37,10 @@ from hyper_parallel.data.direct_token import (
 )
 from hyper_parallel.data.dummy import DummyDataLoader
 from hyper_parallel.data.layout_check import first_difference, global_batches
+from hyper_parallel.data.mixture import MixtureDataLoader
 from hyper_parallel.data.packing import TokenDocument, batch_to_device, collate_packed
 from hyper_parallel.data.preset import BATCH_KEYS, PresetDataLoader, check_batch
+from hyper_parallel.data.source_config import SourceConfig
 from hyper_parallel.data.text_loader import HuggingFaceTextDataLoader, TextShardWriter
 from hyper_parallel.data.toy_corpus import ToyCorpusSpec, cached_toy_corpus, make_toy_samples, write_toy_corpus
 from hyper_parallel.data.vision_language import VisionLanguageDataLoader
@@ -54,9 +58,11 @@ __all__ = [
     "DirectTokenWriter",
     "DummyDataLoader",
     "HuggingFaceTextDataLoader",
+    "MixtureDataLoader",
     "PresetDataLoader",
     "Sample",
     "SampleSpec",
+    "SourceConfig",
     "TextShardWriter",
     "TokenDataLoader",
     "VisionLanguageDataLoader",

@@ -38,7 +38,7 @@ import difflib
 import logging
 import math
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -95,7 +95,9 @@ def parse_sources(entries: Sequence[SourceConfig | Mapping[str, Any]]) -> list[S
             raise ValueError(f"{where}: on_bad_sample={entry.on_bad_sample!r} must be error, skip or empty")
         clash = [j for j, o in enumerate(out) if o.name == name]
         if clash:
-            raise ValueError(f"two data.sources are named {name!r} (entries {clash[0]} and {i}): give each a unique name")
+            raise ValueError(
+                f"two data.sources are named {name!r} (entries {clash[0]} and {i}): give each a unique name"
+            )
         out.append(entry)
     if not out:
         raise ValueError("data.sources is empty: list at least one source")
@@ -126,7 +128,14 @@ class MixtureSchedule:
     counters before any planned ``g`` (the checkpointed state).
     """
 
-    def __init__(self, weights: Sequence[float], bin_tokens: Any, *, first: int = 0, counters: _Counters | None = None) -> None:
+    def __init__(
+        self,
+        weights: Sequence[float],
+        bin_tokens: Callable[[int, int], int],
+        *,
+        first: int = 0,
+        counters: _Counters | None = None,
+    ) -> None:
         total = float(sum(weights))
         self.weights = [w / total for w in weights]
         self.bin_tokens = bin_tokens
@@ -231,7 +240,12 @@ class MixtureDataLoader(BaseDataLoader):
         try:
             child = child_config.build(**kwargs)
         except (ValueError, OSError) as e:  # BadSampleError and FileNotFoundError included
-            raise type(e)(f"data source {src.name!r} ({src.source}, path {src.path!r}): {e}") from None
+            message = f"data source {src.name!r} ({src.source}, path {src.path!r}): {e}"
+            try:
+                error = type(e)(message)
+            except Exception:  # noqa: BLE001 - an exception type with another constructor
+                error = ValueError(message)
+            raise error from None
         if not isinstance(child, ShardedDataLoader):  # pragma: no cover - MIXTURE_SOURCE_TYPES are sharded
             raise TypeError(f"data source {src.name!r}: {src.source} is not a shard-backed source")
         return child
@@ -385,10 +399,8 @@ class MixtureDataLoader(BaseDataLoader):
             "seed": c.seed,
             "max_tokens_per_microbatch": c.max_tokens_per_microbatch,
             "sources": list(self.source_names),
-            **{
-                f"source/{name}": {**child._order(), "loss_on": src.loss_on}
-                for name, child, src in zip(self.source_names, self.children, self.sources)
-            },
+            # weights and loss_on are not part of the order: they may change on resume
+            **{f"source/{name}": child._order() for name, child in zip(self.source_names, self.children)},
         }
 
     def _plan_state(self) -> dict[str, Any]:
@@ -421,14 +433,15 @@ class MixtureDataLoader(BaseDataLoader):
         for child, cursor in zip(self.children, plan["cursors"]):
             child._load_plan_state(cursor)
         c = plan["counters"]
-        counters = None if c is None else _Counters([int(v) for v in c["tokens"]], [int(v) for v in c["next"]], [int(v) for v in c["base"]])
+        counters = None if c is None else _Counters(*([int(v) for v in c[k]] for k in ("tokens", "next", "base")))
         saved_weights = [float(w) for w in plan["weights"]]
         if counters is not None and not np.allclose(saved_weights, self.weights, rtol=1e-9, atol=0):
-            logger.warning(
-                "data.sources weights changed on resume: %s -> %s; the new weights apply from the next step",
-                dict(zip(self.source_names, saved_weights)),
-                dict(zip(self.source_names, self.weights)),
-            )
+            if self.dp_rank == 0:
+                logger.warning(
+                    "data.sources weights changed on resume: %s -> %s; the new weights apply from the next step",
+                    dict(zip(self.source_names, saved_weights)),
+                    dict(zip(self.source_names, self.weights)),
+                )
             counters.base = list(counters.tokens)
         self._schedule = self._new_schedule(self.next_micro_batch, counters)
 

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 __all__ = ["apply_ulysses_cp", "seq_to_head_all_to_all", "head_to_seq_all_to_all", "split_batch_for_cp"]
 
 # Generic batch keys laid out [..., B, T] that are split along T.
-_SEQ_KEYS = ("input_ids", "labels", "position_ids")
+_SEQ_KEYS = ("input_ids", "labels", "position_ids", "source_ids")
 
 
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -114,6 +114,8 @@ class Qwen3VlMoeModel(Decoder):
             )
         self.hf_passthrough: dict = {}
         """HF keys we do not model (e.g. ``mtp.*``), written back unchanged by save_pretrained."""
+        self.cp_group = None
+        """Context-parallel process group (set by ``parallelize``): each rank then holds a chunk of every row."""
         self.hf_experts_layout: str = "memory"
         """Fused-expert layout of the HF folder this model was loaded from (``hub`` or ``memory``), written back."""
         self._apply_freeze()
@@ -159,8 +161,12 @@ class Qwen3VlMoeModel(Decoder):
         if not real:  # zero contribution, but the tower and its FSDP units still ran on every rank
             zero = merged.sum() + sum((d.sum() for d in deep), merged.new_zeros(()))
             return h_BTD + 0.0 * zero.to(h_BTD.dtype), None, []
-        idx = torch.nonzero(input_ids.reshape(-1) == self.config.image_token_id).squeeze(-1)
-        if idx.numel() != merged.shape[0]:
+        is_image = input_ids == self.config.image_token_id
+        idx = torch.nonzero(is_image.reshape(-1)).squeeze(-1)
+        if self.cp_group is not None:  # this rank holds a chunk of every row: keep the features of its tokens
+            rows = self._cp_feature_rows(is_image.sum(dim=1), merged.shape[0])
+            merged, deep = merged[rows], [d[rows] for d in deep]
+        elif idx.numel() != merged.shape[0]:
             raise ValueError(
                 f"input_ids hold {idx.numel()} image tokens (id {self.config.image_token_id}) but image_grid_thw "
                 f"{image_grid_thw.tolist()} gives {merged.shape[0]} merged visual tokens: each image needs "
@@ -168,6 +174,24 @@ class Qwen3VlMoeModel(Decoder):
             )
         h = h_BTD.reshape(B * T, D).index_copy(0, idx, merged.to(h_BTD.dtype)).view(B, T, D)
         return h, idx, [d.to(h_BTD.dtype) for d in deep]
+
+    def _cp_feature_rows(self, local_counts_B: torch.Tensor, total: int) -> torch.Tensor:
+        """Indices into the batch's merged features of this CP rank's image tokens (row-major, then chunk order)."""
+        import torch.distributed as dist
+
+        group = self.cp_group
+        counts = [torch.empty_like(local_counts_B) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(counts, local_counts_B.contiguous(), group=group)
+        counts_RB = torch.stack(counts)  # [cp, B] image tokens of every chunk of every row
+        if int(counts_RB.sum()) != total:
+            raise ValueError(
+                f"the batch's rows hold {int(counts_RB.sum())} image tokens (id {self.config.image_token_id}) but "
+                f"image_grid_thw gives {total} merged visual tokens: each image needs t*h*w/merge_size**2 placeholders"
+            )
+        rank = dist.get_rank(group)
+        row_start = torch.cumsum(counts_RB.sum(0), 0) - counts_RB.sum(0)  # [B] first feature of each row
+        start_B = row_start + counts_RB[:rank].sum(0)
+        return torch.cat([s + torch.arange(int(n), device=s.device) for s, n in zip(start_B, counts_RB[rank])])
 
     # ---- positions -------------------------------------------------------------------------------
 
@@ -225,10 +249,6 @@ class Qwen3VlMoeModel(Decoder):
         aux_loss = combine_aux_losses(auxes)
         logits = self.head(h)
         return logits if aux_loss is None else ModelOutput(logits, aux_loss)
-
-    def get_nparams_and_flops(self, seq_len: int) -> tuple[int, float]:
-        """Decoder counts plus the vision tower's parameters (its FLOPs are per image, not per token: not added)."""
-        return super().get_nparams_and_flops(seq_len)
 
 
 # ---- builders --------------------------------------------------------------------------------------

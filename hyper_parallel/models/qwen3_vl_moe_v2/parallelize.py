@@ -5,7 +5,8 @@ vision tower has none: FSDP only) and the FSDP units. Vision blocks are ``layers
 ``parallelize_decoder`` (AC + FSDP units; they declare no TP/EP placements, so TP/EP leave them whole);
 the mergers are FSDP units of their own. The model runs the tower in every forward (a dummy grid when
 a micro-batch has no image), so every rank calls every unit. With ``freeze_vision`` the whole tower is
-FSDP-ignored: whole on every rank, no gradient, no communication.
+FSDP-ignored: whole on every rank, no gradient, no communication. Under Ulysses context parallel the
+tower is not split (its attention core is not named ``inner_attention``); see ``Qwen3VlMoeModel.cp_group``.
 """
 
 from __future__ import annotations
@@ -28,11 +29,6 @@ _P = "--parallelism."
 
 def validate_qwen3_vl_moe_layout(config: Qwen3VlMoeModel.Config, parallel_dims: ParallelDims) -> None:
     """Check the layout against the model; ``ConfigError`` names the degree (or field) to change."""
-    if parallel_dims.cp > 1:
-        raise ConfigError(
-            f"context_parallel_degree is {parallel_dims.cp} but the VL model cannot place its visual tokens in a "
-            f"sequence chunk yet (the CP split hook does not see input_ids): set {_P}context_parallel_degree 1"
-        )
     if config.visual.deepstack_visual_indexes and parallel_dims.sp_enabled:
         raise ConfigError(
             "sequence parallel splits the residual stream between layers, where deepstack adds visual features "
@@ -84,6 +80,9 @@ def parallelize_qwen3_vl_moe(
             f"the model was built from a config sharded for another layout (first differences: {differ[:3]}): "
             "build it from the unsharded config or from this run's sharding config"
         )
+    # Context parallel: the tower runs on all images on every CP rank (pixels are replicated); the model
+    # keeps the features of its own chunk's image tokens, found with one all-gather of per-row counts.
+    model.cp_group = parallel_dims.mesh("cp").get_group() if parallel_dims.cp_enabled else None
     visual = model.visual
     frozen = model.config.freeze_vision
     vision_layers = [] if frozen else list(visual.blocks)
@@ -99,7 +98,7 @@ def parallelize_qwen3_vl_moe(
         layers=[*vision_layers, *model.layers],
         embeddings=[model.embed_tokens, *vision_units],
         head=[model.lm_head],
-        ignored_params=[],
+        ignored_params=list(visual.parameters()) if frozen else [],
         # The frozen tower runs in full precision outside FSDP; its output is cast to the text dtype in embed.
         cast_input_modules=[],
     )

@@ -336,8 +336,9 @@ class VisionAttention(Module):
         """Fused projection ``[3C, C]``, rows ``[q | k | v]``, each head-major."""
         proj: Linear.Config = field(default_factory=lambda: Linear.Config(bias=True))
         """Output projection ``[C, C]``."""
-        inner_attention: BidirectionalAttention.Config = field(default_factory=BidirectionalAttention.Config)
-        """The softmax core."""
+        attention_core: BidirectionalAttention.Config = field(default_factory=BidirectionalAttention.Config)
+        """The softmax core. Not named ``inner_attention``: Ulysses context parallel wraps the text cores by that
+        name, while the tower runs whole (all images) on every CP rank."""
 
     def __init__(self, config: Config, *, dim: int) -> None:
         super().__init__(config)
@@ -346,7 +347,7 @@ class VisionAttention(Module):
         self.head_dim = dim // config.n_heads
         self.qkv = config.qkv.build(in_features=dim, out_features=3 * dim)
         self.proj = config.proj.build(in_features=dim, out_features=dim)
-        self.inner_attention = config.inner_attention.build()
+        self.attention_core = config.attention_core.build()
 
     def forward(self, x_NC: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor, grid: VisionGrid) -> torch.Tensor:
         N = x_NC.shape[0]
@@ -354,7 +355,7 @@ class VisionAttention(Module):
         # HF rotates in fp32 and casts back (apply_rotary_pos_emb_vision).
         q_rot, k_rot = apply_rotary_emb(q.float()[None], k.float()[None], cos[None], sin[None], layout="half")
         q, k = q_rot[0].to(v.dtype), k_rot[0].to(v.dtype)
-        out_NHd = self.inner_attention(q, k, v, scale=self.head_dim**-0.5, grid=grid)
+        out_NHd = self.attention_core(q, k, v, scale=self.head_dim**-0.5, grid=grid)
         return self.proj(out_NHd.reshape(N, -1))
 
 
@@ -599,7 +600,7 @@ def vision_tower_config(
 ) -> VisionTower.Config:
     """The config tree of a Qwen3-VL / Qwen3.5 vision tower from HF-style hyper-parameters."""
     block = VisionBlock.Config(
-        attn=VisionAttention.Config(n_heads=n_heads, inner_attention=BidirectionalAttention.Config(backend=backend)),
+        attn=VisionAttention.Config(n_heads=n_heads, attention_core=BidirectionalAttention.Config(backend=backend)),
         mlp=VisionMLP.Config(hidden_dim=intermediate_size, activation=hidden_act),
     )
     return VisionTower.Config(

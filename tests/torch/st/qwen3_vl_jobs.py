@@ -23,6 +23,7 @@ import torch.distributed as dist
 from hyper_parallel.components.loss import CrossEntropyLoss
 from hyper_parallel.config import ActivationCheckpointConfig, CompileConfig, TrainingConfig
 from hyper_parallel.data.vision_language.mrope import mrope_position_ids
+from hyper_parallel.distributed.context_parallel import split_batch_for_cp
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.distributed.utils import clip_grad_norm_
 from hyper_parallel.models.qwen3_vl_moe_v2.model import Qwen3VlMoeModel, qwen3_vl_moe_config
@@ -114,17 +115,21 @@ def _train(model, steps: int, pd: ParallelDims | None) -> dict[str, Any]:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=LR, momentum=0.9, foreach=False)
     dp, dp_rank = (pd.dp, pd.mesh_coordinate("dp")) if pd else (1, 0)
+    cp, cp_rank = (pd.cp, pd.mesh_coordinate("cp")) if pd else (1, 0)
     losses, norms = [], []
     for step in range(steps):
         rows = global_rows(step)
         per = len(rows) // dp
         mb = micro_batch(step, rows[dp_rank * per : (dp_rank + 1) * per], dp_rank * per)
+        # a CP rank takes a chunk of every row ([3, B, T] positions too); pixels and grids stay whole
+        mb = split_batch_for_cp(mb, cp_rank, cp, split_inputs=Qwen3VlMoeModel.split_inputs_for_cp,
+                                model_keys=Qwen3VlMoeModel.input_keys)  # fmt: skip
         opt.zero_grad()
         with CrossEntropyLoss.parallel_context(enabled=pd is not None and pd.loss_parallel_enabled):
             loss = _forward_loss(model, mb, global_token_count(step), loss_fn)
             loss.backward()
         total = loss.detach().clone()
-        if pd is not None and pd.dp > 1:
+        if pd is not None and pd.dp * pd.cp > 1:
             dist.all_reduce(total, group=pd.mesh("dp_cp").get_group())
         norms.append(clip_grad_norm_(params, MAX_NORM).item())
         opt.step()

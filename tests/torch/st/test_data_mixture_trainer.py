@@ -28,11 +28,6 @@ ROOT = Path(__file__).resolve().parents[3]
 STEPS = 8
 NAMES = ("gen", "mixed", "text")
 
-# The per-source loss needs the trainer to feed the step's micro-batches to SourceLossMeter.
-pytestmark = pytest.mark.skipif(
-    "SourceLossMeter" not in (ROOT / "hyper_parallel" / "trainer.py").read_text(),
-    reason="the trainer does not compute per-source losses yet (components/source_metrics.SourceLossMeter)",
-)
 
 
 @pytest.fixture(scope="module")

@@ -1,19 +1,16 @@
 """Parallel layouts of a tiny Qwen3-VL-MoE (tower with deepstack + MoE text decoder, packed VL rows with
 ``[3, B, T]`` M-RoPE positions) reproduce the single-process run (fp32, gloo): step-1 |dloss| <= 1e-5, all
 steps <= 1e-4, clipped grad norm within 1e-4 relative. The vision tower is FSDP-only (no TP placements);
-``freeze_vision`` keeps it bit-identical and outside FSDP on every rank. Context parallel is rejected
-by ``validate_qwen3_vl_moe_layout`` for now (see ``test_cp_is_rejected``).
+``freeze_vision`` keeps it bit-identical and outside FSDP on every rank. Under Ulysses CP every rank runs
+the whole tower and keeps the visual features of its own sequence chunk.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from hyper_parallel.config.manager import ConfigError
-from hyper_parallel.distributed.parallel_dims import ParallelDims
-from hyper_parallel.models.qwen3_vl_moe_v2.parallelize import validate_qwen3_vl_moe_layout
 from tests.torch.st.glm_jobs import Layout
-from tests.torch.st.qwen3_vl_jobs import layouts_job, reference_job, tiny_config
+from tests.torch.st.qwen3_vl_jobs import layouts_job, reference_job
 
 pytestmark = pytest.mark.slow
 
@@ -23,6 +20,7 @@ LAUNCHES = {
     4: [
         (Layout(world=4), False),  # FSDP 4 (vision blocks and mergers are units of their own)
         (Layout(world=4, dp_replicate=2), False),  # HSDP 2 x 2
+        (Layout(world=4, dp_shard=2, cp=2), False),  # FSDP 2 x CP 2: [3, B, T] positions split, tower whole
     ],
     2: [
         (Layout(world=2, ep=2), False),  # EP 2 on the text MoE
@@ -67,9 +65,3 @@ def test_layout_matches_single_process(references, results, case):
         assert out["tower_identical"] and out["tower_fsdp_ignored"]
     else:
         assert out["tower_sharded"]
-
-
-def test_cp_is_rejected():
-    pd = ParallelDims(dp_replicate=1, dp_shard=1, cp=2, tp=1, ep=1, world_size=2)
-    with pytest.raises(ConfigError, match="context_parallel_degree"):
-        validate_qwen3_vl_moe_layout(tiny_config(), pd)

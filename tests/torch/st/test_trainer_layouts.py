@@ -30,11 +30,10 @@ LAYOUTS = {
 def preset(tmp_path_factory) -> Path:
     """2 micro-batches per step of the toy corpus, padded to a multiple of 8 (CP x SP friendly)."""
     model = glm_image_moe_debug().model
+    facts = {"vocab_size": model.vocab_size, "codebook_size": model.codebook_size,
+             "placeholder_token_id": model.placeholder_token_id}  # fmt: skip
     loader = TokenDataLoader.Config(max_tokens_per_microbatch=256, global_batch_tokens=512, pad_to_multiple_of=8,
-                                    cache_dir=str(tmp_path_factory.mktemp("cache"))).build(
-        lang_vocab_size=model.vocab_size, codebook_size=model.codebook_size,
-        placeholder_token_id=model.placeholder_token_id,
-    )  # fmt: skip
+                                    cache_dir=str(tmp_path_factory.mktemp("cache"))).build(model_facts=facts)  # fmt: skip
     batches = [mb for _ in range(STEPS) for mb in loader.next_step()]
     path = tmp_path_factory.mktemp("preset") / "batches.pt"
     torch.save(batches, path)
@@ -42,9 +41,9 @@ def preset(tmp_path_factory) -> Path:
 
 
 def _run(dump: Path, preset: Path, nproc: int, extra: list[str]) -> dict[int, dict]:
-    args = ["--module", "glm_image_moe", "--config", "glm_image_moe_debug", "--debug.deterministic", "True",
+    args = ["--module", "glm_image_moe", "--config", "glm_image_moe_debug", "--debug.deterministic",
             "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
-            "--checkpoint.enable", "False", "--checkpoint.export_hf", "False", "--data.source", "preset_pt",
+            "--checkpoint.no_enable", "--checkpoint.no_export_hf", "--data.source", "preset_pt",
             "--data.path", str(preset), "--data.max_tokens_per_microbatch", "256",
             "--data.global_batch_tokens", "512", "--dump_folder", str(dump), *extra]  # fmt: skip
     if nproc == 1:

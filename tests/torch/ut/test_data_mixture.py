@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from hyper_parallel.components.source_metrics import SourceLossMeter, source_loss_sums
 from hyper_parallel.config.manager import apply_overrides, load_run_file
 from hyper_parallel.data import DataConfig, DataStateMismatch, first_difference, global_batches, write_shards
+from hyper_parallel.data.plan import Planner
 from hyper_parallel.data.source_config import SourceConfig
 
 V, C, P = 4096, 256, 4095
@@ -64,6 +66,13 @@ def _config(corpora, tmp_path, *, weights=WEIGHTS, steps_tokens=4 * BUDGET, **kw
         sources=sources,
         **kw,
     )
+
+
+@dataclass
+class _Wrap:
+    """A run config with only a ``data`` section (what a run file's ``[data]`` overrides)."""
+
+    data: DataConfig = field(default_factory=DataConfig)
 
 
 def _docs(batch) -> int:
@@ -112,8 +121,8 @@ def _run(loader, steps):
 
 
 @pytest.mark.parametrize("dp", [1, 2])
-def test_resume_continues_batches_and_counters_exactly(corpora, tmp_path, dp):
-    cfg = _config(corpora, tmp_path)
+def test_resume_continues_batches_and_counters_exactly(corpora, tmp_path, dp, monkeypatch):
+    cfg = _config(corpora, tmp_path, shuffle_buffer=8)  # small windows: the resume point lies past window 0
     straight = [cfg.build(model_facts=FACTS, dp_rank=r, dp_world_size=2) for r in range(2)]
     full = [_run(loader, 12) for loader in straight]
     # interrupted: 5 steps on 2 ranks, then (after a "kill -9": only the pickled state survives) on `dp` ranks
@@ -123,10 +132,14 @@ def test_resume_continues_batches_and_counters_exactly(corpora, tmp_path, dp):
     state = pickle.loads(pickle.dumps(first[1].state_dict()))
     assert state == first[0].state_dict()  # global: the same on every rank
     resumed = [cfg.build(model_facts=FACTS, dp_rank=r, dp_world_size=dp) for r in range(dp)]
+    planned = []
+    plan_next = Planner._plan_next
+    monkeypatch.setattr(Planner, "_plan_next", lambda self: (planned.append(self), plan_next(self))[1])
     for loader in resumed:
         loader.load_state_dict(state)
-        # no replay: every source's planner restarts at its saved cursor, not at its first micro-batch
-        assert all(child._planner._planned[0].first_bin > 0 for child in loader.children)
+    # no replay: each source re-plans only the window of its saved cursor (not every window since its start)
+    assert len(planned) == 3 * dp, len(planned)
+    assert all(child._planner._planned[0].first_bin > 0 for loader in resumed for child in loader.children)
     rest = [_run(loader, 7) for loader in resumed]
     for i in range(7):
         want = [mb for r in range(2) for mb in full[r][5 + i][0]]
@@ -162,7 +175,8 @@ def test_adding_or_removing_a_source_on_resume_is_an_error(corpora, tmp_path, ch
         corpora = {**corpora, "extra": corpora["small"]}
     other = _config(corpora, tmp_path, weights=weights).build(model_facts=FACTS)
     name = "extra" if change == "add" else "small"
-    with pytest.raises(DataStateMismatch, match=rf"{'added' if change == 'add' else 'removed'} \['{name}'\].*--checkpoint\.restart_data_stream"):
+    verb = "added" if change == "add" else "removed"
+    with pytest.raises(DataStateMismatch, match=rf"{verb} \['{name}'\].*--checkpoint\.restart_data_stream"):
         other.load_state_dict(loader.state_dict())
 
 
@@ -238,11 +252,9 @@ def test_bad_mixture_configs_name_the_source(tmp_path, sources, message):
 
 
 def test_sources_without_a_readable_sample_are_named(corpora, tmp_path):
-    rng = np.random.default_rng(6)
     bad_dir = str(tmp_path / "allbad")
     write_shards(bad_dir, [{"key": f"x{i}", "tokens": [V + 1] * 8, "vq_codes": []} for i in range(5)],
                  placeholder_token_id=P, validate=False)  # fmt: skip
-    del rng
     sources = [{"name": "ok", "path": corpora["small"]}, {"name": "junk", "path": bad_dir, "on_bad_sample": "skip"}]
     with pytest.raises(ValueError, match=r"data source 'junk'.*no readable sample"):
         DataConfig(max_tokens_per_microbatch=BUDGET, cache_dir=str(tmp_path), sources=sources).build(model_facts=FACTS)
@@ -267,7 +279,9 @@ def test_three_source_run_file(corpora, tmp_path):
     yaml = tmp_path / "run.yaml"
     yaml.write_text(
         "data:\n  max_tokens_per_microbatch: 256\n  global_batch_tokens: 1024\n  sources:\n"
-        + "".join(f"    - {{name: {n}, source: direct_token, path: '{corpora[n]}', weight: {w}}}\n" for n, w in WEIGHTS.items())
+        + "".join(
+            f"    - {{name: {n}, source: direct_token, path: '{corpora[n]}', weight: {w}}}\n" for n, w in WEIGHTS.items()
+        )
     )
     base = DataConfig(cache_dir=str(tmp_path / "cache"))
     a = apply_overrides(_Wrap(data=base), load_run_file(toml)).data
@@ -281,14 +295,6 @@ def test_three_source_run_file(corpora, tmp_path):
 
 def _run_batches(loader, steps):
     return [loader.next_step() for _ in range(steps)]
-
-
-from dataclasses import dataclass, field  # noqa: E402
-
-
-@dataclass
-class _Wrap:
-    data: DataConfig = field(default_factory=DataConfig)
 
 
 # -- the per-source loss reduction --------------------------------------------------------------
@@ -315,7 +321,8 @@ def test_per_source_losses_average_to_the_global_loss():
         meter_fast.add(labels, single, token_loss_sum=loss * total_tokens)
         meter_logits.add(labels, single, logits=logits)
         mixed.add(labels, torch.randint(0, S, labels.shape, generator=g), logits=logits)
-        all_ce.append(F.cross_entropy(logits.view(-1, Vocab), labels.view(-1), reduction="none")[labels.view(-1) != -100])
+        ce = F.cross_entropy(logits.view(-1, Vocab), labels.view(-1), reduction="none")
+        all_ce.append(ce[labels.view(-1) != -100])
     counts = {}
     for i, (_, labels) in enumerate(micro_batches):
         counts["abc"[i % S]] = counts.get("abc"[i % S], 0) + int((labels != -100).sum())

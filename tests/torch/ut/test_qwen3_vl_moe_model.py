@@ -231,3 +231,19 @@ def test_a3b_parameter_count_on_meta_equals_the_analytic_count():
     assert n_text == text and 30.4e9 < text < 30.6e9
     assert sum(p.numel() for p in model.visual.parameters()) == vision
     assert model.count_params() == text + vision
+
+
+def test_layout_checks_name_the_option_to_change():
+    from hyper_parallel.config.manager import ConfigError
+    from hyper_parallel.distributed.parallel_dims import ParallelDims
+    from hyper_parallel.models.qwen3_vl_moe_v2.parallelize import validate_qwen3_vl_moe_layout
+
+    cfg = config_from_hf(_vl_moe_hf().config.to_dict())
+    tp_sp = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, ep=1, world_size=2)
+    with pytest.raises(ConfigError, match="enable_sequence_parallel"):  # deepstack adds at whole-sequence positions
+        validate_qwen3_vl_moe_layout(cfg, tp_sp)
+    tp = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, ep=1, world_size=2, enable_sequence_parallel=False)
+    validate_qwen3_vl_moe_layout(cfg, tp)
+    qwen3_5 = config_from_hf(_qwen3_5_moe_hf().config.to_dict())
+    with pytest.raises(ConfigError, match="tensor_parallel_degree"):  # DeltaNet layers have no TP yet
+        validate_qwen3_vl_moe_layout(qwen3_5, tp)
