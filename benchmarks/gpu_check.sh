@@ -14,7 +14,9 @@
 #
 #   bash benchmarks/gpu_check.sh            # on a CUDA machine (NGPU=<n> to use fewer GPUs)
 #   bash benchmarks/gpu_check.sh --cpu      # the same checks on CPU (sdpa / fp32 paths), to test the script
+#   ONLY=AB bash benchmarks/gpu_check.sh    # a subset of the checks
 set -euo pipefail
+ONLY=${ONLY:-ABCDEF}
 
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -31,6 +33,7 @@ RESULTS=()
 run_check() {  # run_check NAME CMD...: the command prints its own PASS/FAIL line and exits 0/1
   local name=$1 rc=0
   shift
+  if [[ "$ONLY" != *"${name:0:1}"* ]]; then return 0; fi
   echo "== $name"
   "$@" || rc=$?
   if [[ $rc -ne 0 ]]; then
@@ -124,11 +127,11 @@ if cuda:  # one 8192-token document: the math kernel would keep [20, 8192, 8192]
     attn(*big, scale=scale, meta=meta).sum().backward()
     torch.cuda.synchronize()
     peak_gb = (torch.cuda.max_memory_allocated() - base) / 2**30
-tol = 2e-2 if cuda else 1e-5
-ok = (kernel != "sdpa" if cuda else kernel == "sdpa") and err_out <= tol and err_grad <= tol and repeatable
+tol, tol_grad = (2e-2, 5e-2) if cuda else (1e-5, 1e-5)  # bf16 kernel vs an fp32 reference on the same bf16 inputs
+ok = (kernel != "sdpa" if cuda else kernel == "sdpa") and err_out <= tol and err_grad <= tol_grad and repeatable
 ok = ok and (peak_gb < 1.5 if cuda else True)
 print(f"{'PASS' if ok else 'FAIL'} attention: kernel={kernel} docs={lengths} H={H} d={dqk}/{dv} {dtype}: "
-      f"rel err out {err_out:.2e} grads {err_grad:.2e} (tol {tol:g}), deterministic backward repeatable={repeatable}, "
+      f"rel err out {err_out:.2e} (tol {tol:g}) grads {err_grad:.2e} (tol {tol_grad:g}), deterministic backward repeatable={repeatable}, "
       f"fwd+bwd {ms_kernel:.1f} ms ({kernel}) vs {ms_sdpa:.1f} ms (per-document sdpa), "
       f"peak extra memory of one 8192-token document {peak_gb:.2f} GiB (limit 1.5)")
 raise SystemExit(0 if ok else 1)

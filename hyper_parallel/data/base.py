@@ -56,7 +56,7 @@ class BaseDataLoader(Configurable):
     @dataclass(kw_only=True, slots=True)
     class Config(Configurable.Config):
         source: Literal["direct_token", "text", "vision_language", "preset_pt", "dummy"] = "direct_token"
-        """`direct_token`: VQ image+text webdataset shards (DESIGN.md section 5); `text`: pre-tokenised shards or raw jsonl/parquet/arrow files; `vision_language`: images + text webdataset shards; `preset_pt`: replay a torch.save'd list of micro-batches; `dummy`: random tokens (smoke runs, benchmarks)."""
+        """`direct_token`: VQ image+text webdataset shards (docs/design.md section 5); `text`: pre-tokenised shards or raw jsonl/parquet/arrow files; `vision_language`: images + text webdataset shards; `preset_pt`: replay a torch.save'd list of micro-batches; `dummy`: random tokens (smoke runs, benchmarks)."""
         path: str = ""
         """Shards: a directory, glob or brace pattern (`shards/train-{000000..000127}.tar`); text may also name .jsonl/.json/.parquet/.arrow files; preset_pt: the .pt file; empty = the source's embedded toy corpus."""
         cache_dir: str = "~/.cache/hyper_parallel"

@@ -29,7 +29,7 @@ class DummyDataLoader(BaseDataLoader):
     @dataclass(kw_only=True, slots=True)
     class Config(BaseDataLoader.Config):
         source: Literal["direct_token", "text", "preset_pt", "dummy"] = "dummy"
-        """`direct_token`: VQ image+text webdataset shards (DESIGN.md section 5); `text`: pre-tokenised shards or raw jsonl/parquet/arrow files; `preset_pt`: replay a torch.save'd list of micro-batches; `dummy`: random tokens (smoke runs, benchmarks)."""
+        """`direct_token`: VQ image+text webdataset shards (docs/design.md section 5); `text`: pre-tokenised shards or raw jsonl/parquet/arrow files; `preset_pt`: replay a torch.save'd list of micro-batches; `dummy`: random tokens (smoke runs, benchmarks)."""
 
     def __init__(self, config: BaseDataLoader.Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)

@@ -7,7 +7,7 @@ use) and a new bin is opened. A bin that is exactly full is emitted at once. ``o
 next-fit (arrival order). The open bins are part of the plan's checkpoint.
 
 :func:`collate_packed` turns the documents of one bin into the generic batch contract
-(DESIGN.md section 8):
+(docs/design.md section 8):
 
 - ``input_ids`` int64 ``[1, T]``: the documents back to back, then padding (``pad_token_id``) up to
   a multiple of ``pad_to_multiple_of``;

@@ -288,7 +288,7 @@ class HuggingFaceTextDataLoader(ShardedDataLoader):
     @dataclass(kw_only=True, slots=True)
     class Config(BaseDataLoader.Config):
         source: Literal["direct_token", "text", "preset_pt", "dummy"] = "text"
-        """`direct_token`: VQ image+text webdataset shards (DESIGN.md section 5); `text`: pre-tokenised shards or raw jsonl/parquet/arrow files; `preset_pt`: replay a torch.save'd list of micro-batches; `dummy`: random tokens (smoke runs, benchmarks)."""
+        """`direct_token`: VQ image+text webdataset shards (docs/design.md section 5); `text`: pre-tokenised shards or raw jsonl/parquet/arrow files; `preset_pt`: replay a torch.save'd list of micro-batches; `dummy`: random tokens (smoke runs, benchmarks)."""
 
     def _prepare(self) -> None:
         self.vocab_size = int(self.fact("vocab_size"))

@@ -1,6 +1,6 @@
 """DirectToken shards: write them, read them back, check them; and the command line.
 
-Format (DESIGN.md section 5): webdataset tars with, per sample key, ``<key>.tokens.npy`` (int32
+Format (docs/design.md section 5): webdataset tars with, per sample key, ``<key>.tokens.npy`` (int32
 ``[L]``, image positions hold ``placeholder_token_id``), ``<key>.vq_codes.npy`` (int32 ``[N]``) and
 ``<key>.json`` (``{"image_grids": [[h, w], ...], "loss_on": "all" | "image", ...}``).
 

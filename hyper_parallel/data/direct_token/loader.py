@@ -1,4 +1,4 @@
-"""``TokenDataLoader``: the ``direct_token`` source (VQ image + text webdataset shards, DESIGN.md section 5).
+"""``TokenDataLoader``: the ``direct_token`` source (VQ image + text webdataset shards, docs/design.md section 5).
 
 The model facts it needs: ``vocab_size`` (the text vocabulary; image targets are ``code +
 vocab_size``), ``codebook_size`` and ``placeholder_token_id``. Everything else is the shared

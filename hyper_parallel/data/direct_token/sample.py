@@ -1,6 +1,6 @@
 """One DirectToken sample: decoding, validation, per-document targets, index statistics, collate.
 
-A sample on disk (DESIGN.md section 5) is three files sharing a key inside a webdataset tar:
+A sample on disk (docs/design.md section 5) is three files sharing a key inside a webdataset tar:
 ``<key>.tokens.npy`` (int ``[L]``, image positions hold ``placeholder_token_id``),
 ``<key>.vq_codes.npy`` (int ``[N]``, the codes of those positions in order) and ``<key>.json``
 (``{"image_grids": [[h, w], ...], "loss_on": "all" | "image"}``, ``sum(h*w) == N``).

@@ -59,7 +59,7 @@ class VisionLanguageDataLoader(ShardedDataLoader):
     @dataclass(kw_only=True, slots=True)
     class Config(BaseDataLoader.Config):
         source: Literal["direct_token", "text", "vision_language", "preset_pt", "dummy"] = "vision_language"
-        """`direct_token`: VQ image+text webdataset shards (DESIGN.md section 5); `text`: pre-tokenised shards or raw jsonl/parquet/arrow files; `vision_language`: images + text webdataset shards; `preset_pt`: replay a torch.save'd list of micro-batches; `dummy`: random tokens (smoke runs, benchmarks)."""
+        """`direct_token`: VQ image+text webdataset shards (docs/design.md section 5); `text`: pre-tokenised shards or raw jsonl/parquet/arrow files; `vision_language`: images + text webdataset shards; `preset_pt`: replay a torch.save'd list of micro-batches; `dummy`: random tokens (smoke runs, benchmarks)."""
         image: ImageProcessor.Config = field(default_factory=ImageProcessor.Config)
         """vision_language: image preprocessing (HF Qwen2-VL processor settings: min/max pixels, mean/std, resampling); patch, temporal patch and merge sizes come from the model."""
 

@@ -97,7 +97,7 @@ def _validate_layout(config: Any, parallel_dims: Any) -> None:
 
 
 def _data_facts(config: GlmImageMoeModel.Config) -> dict[str, Any]:
-    # What a DirectToken source checks samples against (DESIGN.md section 5).
+    # What a DirectToken source checks samples against (docs/design.md section 5).
     return {
         "vocab_size": config.vocab_size,
         "codebook_size": config.codebook_size,

@@ -1,4 +1,4 @@
-"""GlmImageMoe: Glm4MoeLite decoder layers plus the DirectToken VQ image path (DESIGN.md section 4).
+"""GlmImageMoe: Glm4MoeLite decoder layers plus the DirectToken VQ image path (docs/design.md section 4).
 
     h            = embed_tokens(input_ids)                       # placeholders at image positions
     h[visual]    = vq_to_llm_proj(l2norm(codebook[vq_codes]))    # frozen codebook, trainable projection

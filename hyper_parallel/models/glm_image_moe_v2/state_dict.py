@@ -1,4 +1,4 @@
-"""GlmImageMoe <-> HF checkpoint keys (DESIGN.md section 4).
+"""GlmImageMoe <-> HF checkpoint keys (docs/design.md section 4).
 
 Ours (in memory)                          HF GlmImageMoe (on disk)
   embed_tokens.weight                       model.language_model.embed_tokens.weight
@@ -67,7 +67,7 @@ class HFLoadResult:
 
 
 class GlmImageMoeStateDictAdapter(BaseStateDictAdapter):
-    """Converts a GlmImageMoe state dict to and from the HF formats of DESIGN.md section 4."""
+    """Converts a GlmImageMoe state dict to and from the HF formats of docs/design.md section 4."""
 
     def __init__(self, model_config: Any, **runtime_objects: Any) -> None:
         super().__init__(model_config, **runtime_objects)

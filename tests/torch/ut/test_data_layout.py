@@ -1,4 +1,4 @@
-"""The data order does not depend on the layout (DESIGN.md section 8, issue 13).
+"""The data order does not depend on the layout (docs/design.md section 8, issue 13).
 
 - the concatenation over DP ranks of every step's micro-batches is the same for DP 1, 2, 4 and
   num_workers 0, 2;

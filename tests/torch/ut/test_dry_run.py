@@ -47,7 +47,7 @@ def _params(cfg, *, ndim: bool = False) -> dict[str, int]:
 
 
 def _divisor(fqn: str, layout: str) -> int:
-    """How many ways the parallelize path splits a parameter (DESIGN.md section 6, sharding.py), by hand."""
+    """How many ways the parallelize path splits a parameter (docs/design.md section 6, sharding.py), by hand."""
     if fqn == "vq_codebook.weight":
         return 1  # frozen, FSDP-ignored: whole on every rank
     if layout == "tp2_fsdp2":

@@ -1,4 +1,4 @@
-"""The shared placement builders (``models/common/sharding.py``): the placements DESIGN.md section 6 asks
+"""The shared placement builders (``models/common/sharding.py``): the placements docs/design.md section 6 asks
 for, per module and parameter; pure functions (the input config is untouched, nothing is shared with it);
 GlmImageMoe's ``set_glm_image_moe_sharding_config`` is built from them; GQA (Qwen) placements, checked
 on a 2-rank gloo TP run against the single-process module."""
@@ -73,7 +73,7 @@ def rendered(config) -> dict[str, str]:
     return {fqn: render(sc) for fqn, sc in declared_shardings(config).items()}
 
 
-# DESIGN.md section 6, written out per module. TP region = input made whole at the entry, activation
+# docs/design.md section 6, written out per module. TP region = input made whole at the entry, activation
 # gradients partial inside ("grad tp:P"); column-wise = weight S0, output S-1; row-wise = weight S1,
 # partial output reduced to the residual placement; experts S0 on ep; head column-wise.
 COLWISE = "weight=tp:S0 | in x tp:R>tp:R | out tp:S-1>- | grad tp:P"
