@@ -354,6 +354,7 @@ class Trainer(Configurable):
                     position_ids=mb["position_ids"],
                     cu_seqlens=mb["cu_seqlens"],
                     max_seqlen=mb["max_seqlen"],
+                    cu_seqlens_host=mb.get("cu_seqlens_host"),
                     **inputs,
                 )
                 logits, aux_loss = split_output(out)

@@ -14,7 +14,8 @@ next-fit (arrival order). The open bins are part of the plan's checkpoint.
 - ``labels`` int64 ``[1, T]``: already shifted, -100 at each document's last position and padding;
 - ``position_ids`` int64 ``[1, T]``: restart at 0 for every document (and for the padding run);
 - ``cu_seqlens`` int32 ``[D+1]``: segment boundaries over the flat stream, the padding run being
-  the last segment, so ``cu_seqlens[-1] == T``; ``max_seqlen`` int: the longest segment;
+  the last segment, so ``cu_seqlens[-1] == T``; ``cu_seqlens_host``: the same boundaries as a Python
+  ``list[int]`` (attention reads them without a device sync); ``max_seqlen`` int: the longest segment;
 
 plus the source's model inputs, from its ``extras(documents, offsets)`` hook (DirectToken:
 ``visual_indices``, ``vq_codes``). Generic code knows no model input.
@@ -133,11 +134,14 @@ def collate_packed(
     labels = np.concatenate([d.labels for d in documents] + [np.full(pad, IGNORE_INDEX, np.int64)])
     seg_lengths = lengths + ([pad] if pad else [])
     position_ids = np.concatenate([np.arange(n, dtype=np.int64) for n in seg_lengths])
+    cu_seqlens = np.cumsum([0, *seg_lengths])
     batch = {
         "input_ids": torch.from_numpy(input_ids.astype(np.int64, copy=False)).view(1, total),
         "labels": torch.from_numpy(labels.astype(np.int64, copy=False)).view(1, total),
         "position_ids": torch.from_numpy(position_ids).view(1, total),
-        "cu_seqlens": torch.from_numpy(np.cumsum([0, *seg_lengths]).astype(np.int32)),
+        "cu_seqlens": torch.from_numpy(cu_seqlens.astype(np.int32)),
+        # the same boundaries as Python ints: attention reads them without a device->host sync
+        "cu_seqlens_host": cu_seqlens.tolist(),
         "max_seqlen": int(max(seg_lengths)),
     }
     if extras is not None:

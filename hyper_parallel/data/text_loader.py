@@ -26,8 +26,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -35,6 +33,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import webdataset as wds
 
+from hyper_parallel.data.cache import cached_build
 from hyper_parallel.data.bad_samples import BAD_SAMPLE_KINDS, BadSample, BadSampleError
 from hyper_parallel.data.base import BaseDataLoader
 from hyper_parallel.data.index import IndexSpec, build_index, sidecar_path, write_index
@@ -238,35 +237,32 @@ def tokenize_to_shards(
         st = os.stat(path)
         ident = json.dumps([TEXT_CACHE_VERSION, os.path.abspath(path), st.st_size, st.st_mtime_ns, tok_print, spec_json])
         digest = hashlib.sha256(ident.encode()).hexdigest()[:20]
-        final = os.path.join(root, digest)
-        manifest = os.path.join(final, "manifest.json")
-        if not os.path.isfile(manifest):
+
+        def tokenize_into(tmp: str, path: str = path, digest: str = digest) -> None:
+            nonlocal loaded
             if loaded is None:
                 loaded = HuggingFaceTokenizer.from_folder(tokenizer)
-            tmp = os.path.join(root, f".tmp-{digest}-{uuid.uuid4().hex}")
-            try:
-                counts: dict[str, int] = {}
-                skipped: list[str] = []
-                documents = 0
-                with TextShardWriter(tmp, prefix=digest) as writer:
-                    for doc in iter_text_documents(
-                        [path], loaded, record_spec, on_bad_sample="skip", bad_counts=counts, on_skip=skipped.append
-                    ):
-                        writer.write(f"{doc.row:010d}", doc.tokens, {"file": path, "row": doc.row, "key": doc.key})
-                        documents += 1
-                with open(os.path.join(tmp, "manifest.json"), "w") as f:
-                    json.dump(
-                        {"file": path, "documents": documents, "bad_counts": counts, "skipped": skipped,
-                         "shards": [os.path.basename(s) for s in writer.shards]},
-                        f,
-                    )  # fmt: skip
-                try:
-                    os.rename(tmp, final)
-                except OSError:
-                    if not os.path.isfile(manifest):  # a real failure, not "another process won"
-                        raise
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            counts: dict[str, int] = {}
+            skipped: list[str] = []
+            documents = 0
+            with TextShardWriter(tmp, prefix=digest) as writer:
+                for doc in iter_text_documents(
+                    [path], loaded, record_spec, on_bad_sample="skip", bad_counts=counts, on_skip=skipped.append
+                ):
+                    writer.write(f"{doc.row:010d}", doc.tokens, {"file": path, "row": doc.row, "key": doc.key})
+                    documents += 1
+            with open(os.path.join(tmp, "manifest.json"), "w") as f:
+                json.dump(
+                    {"file": path, "documents": documents, "bad_counts": counts, "skipped": skipped,
+                     "shards": [os.path.basename(s) for s in writer.shards]},
+                    f,
+                )  # fmt: skip
+
+        # A folder counts as cached once its manifest (written last) is there.
+        final = cached_build(
+            root, digest, tokenize_into, ready=lambda folder: os.path.isfile(os.path.join(folder, "manifest.json"))
+        )
+        manifest = os.path.join(final, "manifest.json")
         with open(manifest) as f:
             m = json.load(f)
         shards = [os.path.join(final, s) for s in m["shards"]]

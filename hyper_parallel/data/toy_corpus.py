@@ -19,15 +19,11 @@ uses ``lang_vocab_size - 1``).
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import shutil
-import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
+from hyper_parallel.data.cache import cached_build, spec_digest
 from hyper_parallel.data.direct_token import DirectTokenWriter
 
 __all__ = ["ToyCorpusSpec", "cached_toy_corpus", "make_toy_samples", "write_toy_corpus"]
@@ -59,9 +55,7 @@ class ToyCorpusSpec:
     seed: int = 0
 
     def digest(self) -> str:
-        d = asdict(self)
-        d["version"] = TOY_CORPUS_VERSION
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+        return spec_digest(self, TOY_CORPUS_VERSION)
 
 
 def _vocabulary(spec: ToyCorpusSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -149,19 +143,4 @@ def cached_toy_corpus(cache_dir: str, spec: ToyCorpusSpec) -> str:
     Safe when several ranks call it at once: each writes into its own temporary folder and the
     first atomic rename wins (the contents are identical).
     """
-    root = os.path.expanduser(cache_dir)
-    final = os.path.join(root, f"toy_direct_token-{spec.digest()}")
-    if os.path.isdir(final):
-        return final
-    os.makedirs(root, exist_ok=True)
-    tmp = os.path.join(root, f".tmp-{uuid.uuid4().hex}")
-    try:
-        write_toy_corpus(tmp, spec)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not os.path.isdir(final):  # a real failure, not "someone else won"
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return cached_build(cache_dir, f"toy_direct_token-{spec.digest()}", lambda tmp: write_toy_corpus(tmp, spec))

@@ -19,7 +19,8 @@ Gradients are summed, not averaged, over data-parallel ranks (see ``fsdp.py``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,7 +43,7 @@ from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.distributed.tensor_parallel import apply_sharding_configs
 from hyper_parallel.protocols.sharding import MeshAxisName, ShardingConfig
 
-__all__ = ["declared_shardings", "parallelize_decoder"]
+__all__ = ["declared_shardings", "layout_shardings", "parallelize_decoder"]
 
 
 def declared_shardings(config) -> dict[str, ShardingConfig]:
@@ -53,6 +54,32 @@ def declared_shardings(config) -> dict[str, ShardingConfig]:
         if sc is not None:
             out[fqn] = sc
     return out
+
+
+def layout_shardings(
+    config: Any, set_sharding: Callable[..., Any], parallel_dims: ParallelDims
+) -> dict[str, ShardingConfig]:
+    """FQN -> placements that a model's ``set_sharding(config, loss_parallel=, enable_sp=, ep_degree=)``
+    declares for this layout, checked against what ``config`` (the built model's) already carries."""
+    declared = declared_shardings(
+        set_sharding(
+            config,
+            loss_parallel=parallel_dims.loss_parallel_enabled,
+            enable_sp=parallel_dims.sp_enabled,
+            ep_degree=parallel_dims.ep,
+        )
+    )
+    # A model built from an already-sharded config carries its placements in module.config; they must be
+    # the ones this layout needs (a config sharded for another layout would silently mis-shard).
+    carried = declared_shardings(config)
+    if carried and carried != declared:
+        differ = sorted(k for k in carried.keys() | declared.keys() if carried.get(k) != declared.get(k))
+        raise ValueError(
+            f"the model was built from a config sharded for another layout (first differences: {differ[:3]}): "
+            f"build it from the unsharded config or from {set_sharding.__name__}(config, ...) with this run's "
+            "parallelism"
+        )
+    return declared
 
 
 def _is_partial_grad_region(sc: ShardingConfig) -> bool:

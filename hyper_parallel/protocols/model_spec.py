@@ -7,7 +7,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelSpec", "default_data_facts", "discover_model_spec", "get_spec", "list_specs", "register_spec"]
+__all__ = [
+    "ModelSpec",
+    "default_data_facts",
+    "discover_model_spec",
+    "get_spec",
+    "lazy_function",
+    "list_specs",
+    "register_spec",
+]
+
+
+def lazy_function(module: str, name: str) -> Callable[..., Any]:
+    """``module.name``, imported on first call: a spec can name its ``parallelize_fn`` / ``validate_layout``
+    without importing the distributed stack when its model package is imported."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"``{module}.{name}`` (imported on first call)."
+    return call
 
 
 def default_data_facts(model_config: Any) -> dict[str, Any]:

@@ -15,14 +15,13 @@ better than one that only counts words.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
-import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
+
+from hyper_parallel.data.cache import cached_build, spec_digest
 
 __all__ = ["TOY_CHAT_TEMPLATE", "ToyText", "ToyTextSpec", "cached_toy_text", "make_toy_chats", "make_toy_documents", "write_toy_text"]
 
@@ -68,9 +67,7 @@ class ToyTextSpec:
     seed: int = 0
 
     def digest(self) -> str:
-        d = asdict(self)
-        d["version"] = TOY_TEXT_VERSION
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+        return spec_digest(self, TOY_TEXT_VERSION)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,18 +185,5 @@ def cached_toy_text(cache_dir: str = "~/.cache/hyper_parallel", spec: ToyTextSpe
     the same files.
     """
     spec = spec or ToyTextSpec()
-    root = os.path.expanduser(cache_dir)
-    final = os.path.join(root, f"toy_text-{spec.digest()}")
-    if not os.path.isdir(final):
-        os.makedirs(root, exist_ok=True)
-        tmp = os.path.join(root, f".tmp-toy_text-{uuid.uuid4().hex}")
-        try:
-            write_toy_text(tmp, spec)
-            try:
-                os.rename(tmp, final)
-            except OSError:
-                if not os.path.isdir(final):  # a real failure, not "another process won"
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    final = cached_build(cache_dir, f"toy_text-{spec.digest()}", lambda tmp: write_toy_text(tmp, spec))
     return ToyText(final, os.path.join(final, "tokenizer"), os.path.join(final, "toy_text.jsonl"), os.path.join(final, "toy_chat.jsonl"))

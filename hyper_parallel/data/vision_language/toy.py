@@ -14,17 +14,13 @@ does not.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import shutil
-import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
 
+from hyper_parallel.data.cache import cached_build, spec_digest
 from hyper_parallel.data.vision_language.sample import VisionLanguageEncoder
 from hyper_parallel.data.vision_language.writer import VisionLanguageWriter, encode_image
 
@@ -67,9 +63,7 @@ class ToyVisionLanguageSpec:
     seed: int = 0
 
     def digest(self) -> str:
-        d = asdict(self)
-        d["version"] = TOY_VL_VERSION
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+        return spec_digest(self, TOY_VL_VERSION)
 
 
 def draw_shape(rng: np.random.Generator, min_size: int, max_size: int) -> tuple[Image.Image, str]:
@@ -149,19 +143,6 @@ def cached_toy_vision_language(
     tokenizer and image settings, so the loader builds them on first use under ``cache_dir``.
     """
     spec = spec or ToyVisionLanguageSpec()
-    root = os.path.expanduser(cache_dir)
-    final = os.path.join(root, f"toy_vision_language-{spec.digest()}")
-    if os.path.isdir(final):
-        return final
-    os.makedirs(root, exist_ok=True)
-    tmp = os.path.join(root, f".tmp-toy_vision_language-{uuid.uuid4().hex}")
-    try:
-        write_toy_vision_language(tmp, spec)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not os.path.isdir(final):  # a real failure, not "another process won"
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return cached_build(
+        cache_dir, f"toy_vision_language-{spec.digest()}", lambda tmp: write_toy_vision_language(tmp, spec)
+    )

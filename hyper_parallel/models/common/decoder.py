@@ -14,6 +14,7 @@ recomputation under activation checkpointing cannot count it twice.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -72,13 +73,14 @@ class Decoder(BaseModel):
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
+        cu_seqlens_host: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run every block; return the hidden states and the summed auxiliary loss (None when no layer has one).
 
         ``position_ids`` default: ``arange`` per row, or restarting per document.
         """
         B, T, _ = h_BTD.shape
-        meta = AttentionMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        meta = AttentionMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_host=cu_seqlens_host)
         if position_ids is None:
             position_ids = meta.position_ids(B, T, device=h_BTD.device)
         auxes = []
@@ -98,13 +100,16 @@ class Decoder(BaseModel):
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
+        cu_seqlens_host: Sequence[int] | None = None,
     ) -> torch.Tensor | ModelOutput:
         """``[B, T]`` ids -> logits ``[B, T, vocab_size]``; ``cu_seqlens`` (int32, flattened stream) packs documents.
 
         Returns ``ModelOutput(logits, aux_loss)`` instead when a layer produced an auxiliary loss.
         """
         h = self.embed(input_ids)
-        return self.forward_embedded(h, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        return self.forward_embedded(
+            h, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_host=cu_seqlens_host
+        )
 
     def forward_embedded(
         self,
@@ -113,9 +118,12 @@ class Decoder(BaseModel):
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
+        cu_seqlens_host: Sequence[int] | None = None,
     ) -> torch.Tensor | ModelOutput:
         """Layers and head on embedded inputs: logits, or ``ModelOutput`` when there is an aux loss."""
-        h, aux_loss = self.forward_layers(h_BTD, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        h, aux_loss = self.forward_layers(
+            h_BTD, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_host=cu_seqlens_host
+        )
         logits = self.head(h)
         return logits if aux_loss is None else ModelOutput(logits, aux_loss)
 

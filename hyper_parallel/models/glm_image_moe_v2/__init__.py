@@ -17,10 +17,10 @@ from hyper_parallel.models.glm_image_moe_v2.state_dict import (
     CheckpointKeyError,
     GlmImageMoeStateDictAdapter,
     load_hf_weights,
-    read_hf_config,
     save_hf_state_dict,
 )
-from hyper_parallel.protocols.model_spec import ModelSpec, register_spec
+from hyper_parallel.protocols.hf_io import build_from_hf, save_with_model
+from hyper_parallel.protocols.model_spec import ModelSpec, lazy_function, register_spec
 
 __all__ = [
     "CheckpointKeyError",
@@ -45,17 +45,14 @@ def from_pretrained(
     text-only checkpoint). Parts a Glm4MoeLite checkpoint lacks (codebook, projection, image head
     rows) keep their seeded initialisation.
     """
-    config = GlmImageMoeModel.Config.from_hf(read_hf_config(path))
-    if config_overrides:
-        import dataclasses
-
-        config = dataclasses.replace(config, **config_overrides)
-    with torch.device("meta"):
-        model = config.build()
-    model.to_empty(device=device)
-    model.init_weights()
-    load_hf_weights(model, path)
-    return model.to(dtype=dtype)
+    return build_from_hf(
+        GlmImageMoeModel,
+        path,
+        load_weights=load_hf_weights,
+        dtype=dtype,
+        device=device,
+        config_overrides=config_overrides,
+    )
 
 
 def save_pretrained(
@@ -72,28 +69,15 @@ def save_pretrained(
     ``text_only=True`` writes the backbone and head rows ``[0, V)`` as a plain Glm4MoeLite checkpoint
     that ``transformers.Glm4MoeLiteForCausalLM.from_pretrained`` loads.
     """
-    return save_hf_state_dict(
-        model.config,
-        state_dict if state_dict is not None else model.state_dict(),
+    return save_with_model(
+        save_hf_state_dict,
+        model,
         path,
+        state_dict=state_dict,
         max_shard_size=max_shard_size,
         text_only=text_only,
-        passthrough=getattr(model, "hf_passthrough", None),
         dtype=dtype,
     )
-
-
-def _parallelize(model: GlmImageMoeModel, **kwargs: Any) -> GlmImageMoeModel:
-    # parallelize.py imports the distributed stack; keep `import hyper_parallel.models.glm_image_moe_v2` light.
-    from hyper_parallel.models.glm_image_moe_v2.parallelize import parallelize_glm_image_moe
-
-    return parallelize_glm_image_moe(model, **kwargs)
-
-
-def _validate_layout(config: Any, parallel_dims: Any) -> None:
-    from hyper_parallel.models.glm_image_moe_v2.parallelize import validate_glm_image_moe_layout
-
-    validate_glm_image_moe_layout(config, parallel_dims)
 
 
 def _data_facts(config: GlmImageMoeModel.Config) -> dict[str, Any]:
@@ -108,13 +92,14 @@ def _data_facts(config: GlmImageMoeModel.Config) -> dict[str, Any]:
 GLM_IMAGE_MOE_SPEC = ModelSpec(
     name="glm_image_moe",
     model=GlmImageMoeModel,
-    parallelize_fn=_parallelize,
+    # parallelize.py imports the distributed stack; keep `import hyper_parallel.models.glm_image_moe_v2` light.
+    parallelize_fn=lazy_function(f"{__name__}.parallelize", "parallelize_glm_image_moe"),
     state_dict_adapter=GlmImageMoeStateDictAdapter,
     flavor="glm_image_moe_debug",
     from_pretrained=from_pretrained,
     save_pretrained=save_pretrained,
     load_hf_weights=load_hf_weights,
-    validate_layout=_validate_layout,
+    validate_layout=lazy_function(f"{__name__}.parallelize", "validate_glm_image_moe_layout"),
     data_sources=("direct_token", "preset_pt", "dummy"),
     data_facts=_data_facts,
 )

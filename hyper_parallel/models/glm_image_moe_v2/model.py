@@ -176,12 +176,15 @@ class GlmImageMoeModel(Decoder):
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
+        cu_seqlens_host: Sequence[int] | None = None,
         visual_indices: torch.Tensor | None = None,
         vq_codes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[B, T]`` ids (+ image codes) -> logits ``[B, T, vocab_size + codebook_size]``."""
         h = self.embed(input_ids, visual_indices=visual_indices, vq_codes=vq_codes)
-        return self.forward_embedded(h, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        return self.forward_embedded(
+            h, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_host=cu_seqlens_host
+        )
 
     def get_nparams_and_flops(self, seq_len: int) -> tuple[int, float]:
         """Decoder's count; the frozen codebook is not trained, so it adds no training FLOPs."""

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from hyper_parallel.protocols import hf_io
+from hyper_parallel.protocols.hf_io import CheckpointKeyError, read_hf_config
 from hyper_parallel.protocols.state_dict_adapter import BaseStateDictAdapter, read_safetensors, write_safetensors
 
 __all__ = [
@@ -43,25 +45,13 @@ _EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_pro
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
 
 
-class CheckpointKeyError(KeyError):
-    """Missing, unexpected or wrongly shaped checkpoint keys; the message lists all of them."""
-
-    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
-        return str(self.args[0])
-
-
 @dataclass
-class HFLoadResult:
-    """What ``from_hf_checked`` produced."""
+class HFLoadResult(hf_io.HFLoadResult):
+    """What ``from_hf_checked`` produced: ``source_format`` is ``glm_image_moe`` or ``glm4_moe_lite``
+    (whose head rows [V, V+C) are absent); ``passthrough`` holds the other ``model.vqmodel.*`` keys."""
 
-    state_dict: dict[str, torch.Tensor]
-    """Our keys -> tensors (head rows [V, V+C) absent for a plain Glm4MoeLite checkpoint)."""
-    source_format: str
-    """``glm_image_moe`` or ``glm4_moe_lite``."""
     partial_head: torch.Tensor | None = None
     """For a plain Glm4MoeLite checkpoint: its ``lm_head [V, H]`` (head rows [0, V))."""
-    passthrough: dict[str, torch.Tensor] = field(default_factory=dict)
-    """HF keys we do not model (other ``model.vqmodel.*``), to write back unchanged."""
     ignored: list[str] = field(default_factory=list)
     """HF keys deliberately dropped (MTP layers)."""
 
@@ -106,18 +96,8 @@ class GlmImageMoeStateDictAdapter(BaseStateDictAdapter):
 
     @staticmethod
     def _backbone_to_hf(key: str, t: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
-        if key.endswith("mlp.experts.gate_up_proj"):
-            base = prefix + key[: -len("gate_up_proj")]
-            half = t.shape[1] // 2
-            out = {}
-            for e in range(t.shape[0]):
-                out[f"{base}{e}.gate_proj.weight"] = t[e, :half]
-                out[f"{base}{e}.up_proj.weight"] = t[e, half:]
-            return out
-        if key.endswith("mlp.experts.down_proj"):
-            base = prefix + key[: -len("down_proj")]
-            return {f"{base}{e}.down_proj.weight": t[e] for e in range(t.shape[0])}
-        return {prefix + key: t}
+        split = hf_io.split_experts(key, t, prefix)
+        return split if split is not None else {prefix + key: t}
 
     # ---- HF -> ours -------------------------------------------------------------------------
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -162,31 +142,10 @@ class GlmImageMoeStateDictAdapter(BaseStateDictAdapter):
                     result.state_dict[ours] = t
             else:
                 unexpected.append(key)
-        missing_experts = self._fuse_experts(experts, result.state_dict, prefix)
+        missing_experts = hf_io.fuse_experts(experts, result.state_dict, prefix)
         if expected is not None or unexpected or missing_experts:
             self._check(result, expected or {}, unexpected, missing_experts, check_keys=expected is not None)
         return result
-
-    @staticmethod
-    def _fuse_experts(
-        experts: dict[tuple[int, str], dict[int, torch.Tensor]], out: dict[str, torch.Tensor], prefix: str
-    ) -> list[str]:
-        missing: list[str] = []
-        layers = sorted({layer for layer, _ in experts})
-        for layer in layers:
-            parts = {proj: experts.get((layer, proj), {}) for proj in ("gate_proj", "up_proj", "down_proj")}
-            n = max(max(p) + 1 if p else 0 for p in parts.values())
-            for proj, per in parts.items():
-                for e in range(n):
-                    if e not in per:
-                        missing.append(f"{prefix}layers.{layer}.mlp.experts.{e}.{proj}.weight")
-            if missing:
-                continue
-            gate = torch.stack([parts["gate_proj"][e] for e in range(n)])
-            up = torch.stack([parts["up_proj"][e] for e in range(n)])
-            out[f"layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
-            out[f"layers.{layer}.mlp.experts.down_proj"] = torch.stack([parts["down_proj"][e] for e in range(n)])
-        return missing
 
     def _check(
         self,
@@ -197,20 +156,13 @@ class GlmImageMoeStateDictAdapter(BaseStateDictAdapter):
         *,
         check_keys: bool,
     ) -> None:
-        problems: list[str] = [f"missing: {k}" for k in missing_experts]
+        problems: list[str] = list(missing_experts)
         problems += [f"unexpected: {k}" for k in unexpected]
         if check_keys:
             optional = set() if result.source_format == "glm_image_moe" else {
                 "vq_codebook.weight", "vq_to_llm_proj.weight", "vq_to_llm_proj.bias", "lm_head.weight"
             }
-            for key in sorted(expected.keys() - result.state_dict.keys() - optional):
-                problems.append(f"missing: {key}")
-            for key in sorted(result.state_dict.keys() - expected.keys()):
-                problems.append(f"unexpected: {key}")
-            for key in sorted(result.state_dict.keys() & expected.keys()):
-                got, want = tuple(result.state_dict[key].shape), tuple(expected[key])
-                if got != want:
-                    problems.append(f"shape: {key} is {list(got)}, the model expects {list(want)}")
+            problems += hf_io.check_keys(result.state_dict, expected, optional=optional)
             if result.partial_head is None and result.source_format == "glm4_moe_lite":
                 problems.append("missing: lm_head.weight")
             elif result.partial_head is not None and "lm_head.weight" in expected:
@@ -220,31 +172,10 @@ class GlmImageMoeStateDictAdapter(BaseStateDictAdapter):
                         f"shape: lm_head.weight is {list(result.partial_head.shape)}, "
                         f"a Glm4MoeLite head for this model must be {list(want)}"
                     )
-        if problems:
-            raise CheckpointKeyError(
-                f"checkpoint ({result.source_format} format) does not fit the model: {len(problems)} problem(s):\n  "
-                + "\n  ".join(problems)
-            )
+        hf_io.raise_problems(problems, f"checkpoint ({result.source_format} format)")
 
 
 # ---- HF folders: from_pretrained / save_pretrained ----------------------------------------------
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
-    """``config.json`` of an HF folder, with an error naming the file when it is absent or broken."""
-    f = Path(path) / "config.json"
-    if not f.is_file():
-        raise FileNotFoundError(f"{f} does not exist: an HF checkpoint folder needs its config.json")
-    try:
-        return json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{f} is not valid JSON: {e}") from e
 
 
 def load_hf_weights(model: Any, path: str | os.PathLike) -> HFLoadResult:
@@ -278,7 +209,7 @@ def save_hf_state_dict(
 ) -> list[str]:
     """Write ``state_dict`` (our keys, full tensors) + ``config.json`` as an HF folder."""
     adapter = GlmImageMoeStateDictAdapter(config)
-    sd = {k: _full(v) for k, v in state_dict.items()}
+    sd = {k: hf_io.full_tensor(v) for k, v in state_dict.items()}
     hf = adapter.to_hf_text_only(sd) if text_only else adapter.to_hf(sd, passthrough=passthrough)
     if dtype is not None:
         # the router stays fp32 (HF keeps it fp32 too: _keep_in_fp32_modules_strict)

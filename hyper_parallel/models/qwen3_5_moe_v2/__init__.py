@@ -15,9 +15,9 @@ import torch
 
 from hyper_parallel.models.qwen3_5_moe_v2.model import Qwen3_5MoeModel, Qwen3_5MoeTransformerBlock, qwen3_5_moe_config
 from hyper_parallel.models.qwen3_5_moe_v2.state_dict import CheckpointKeyError, Qwen3_5MoeStateDictAdapter, load_hf_weights
-from hyper_parallel.models.qwen3_5_v2 import build_from_pretrained
 from hyper_parallel.models.qwen3_5_v2 import save_pretrained as _save_pretrained
-from hyper_parallel.protocols.model_spec import ModelSpec, default_data_facts, register_spec
+from hyper_parallel.protocols.hf_io import build_from_hf
+from hyper_parallel.protocols.model_spec import ModelSpec, default_data_facts, lazy_function, register_spec
 
 __all__ = [
     "CheckpointKeyError",
@@ -38,7 +38,9 @@ def from_pretrained(
     **config_overrides: Any,
 ) -> Qwen3_5MoeModel:
     """A ``Qwen3_5MoeModel`` from an HF ``Qwen3_5MoeForCausalLM`` or ``Qwen3_5MoeForConditionalGeneration`` folder."""
-    return build_from_pretrained(Qwen3_5MoeModel, path, dtype=dtype, device=device, **config_overrides)
+    return build_from_hf(
+        Qwen3_5MoeModel, path, load_weights=load_hf_weights, dtype=dtype, device=device, config_overrides=config_overrides
+    )
 
 
 def save_pretrained(
@@ -57,28 +59,16 @@ def save_pretrained(
     )
 
 
-def _parallelize(model: Qwen3_5MoeModel, **kwargs: Any) -> Qwen3_5MoeModel:
-    from hyper_parallel.models.qwen3_5_moe_v2.parallelize import parallelize_qwen3_5_moe
-
-    return parallelize_qwen3_5_moe(model, **kwargs)
-
-
-def _validate_layout(config: Any, parallel_dims: Any) -> None:
-    from hyper_parallel.models.qwen3_5_moe_v2.parallelize import validate_qwen3_5_moe_layout
-
-    validate_qwen3_5_moe_layout(config, parallel_dims)
-
-
 QWEN3_5_MOE_SPEC = ModelSpec(
     name="qwen3_5_moe",
     model=Qwen3_5MoeModel,
-    parallelize_fn=_parallelize,
+    parallelize_fn=lazy_function(f"{__name__}.parallelize", "parallelize_qwen3_5_moe"),
     state_dict_adapter=Qwen3_5MoeStateDictAdapter,
     flavor="qwen3_5_moe_debug",
     from_pretrained=from_pretrained,
     save_pretrained=save_pretrained,
     load_hf_weights=load_hf_weights,
-    validate_layout=_validate_layout,
+    validate_layout=lazy_function(f"{__name__}.parallelize", "validate_qwen3_5_moe_layout"),
     data_sources=("text", "preset_pt", "dummy"),
     data_facts=default_data_facts,  # the text source checks token ids against vocab_size
 )

@@ -29,7 +29,8 @@ def qwen3_5_moe_debug() -> Trainer.Config:
         training=TrainingConfig(steps=120, max_norm=1.0),
         # path "" = the embedded toy text corpus and its 512-id tokenizer (no download).
         data=HuggingFaceTextDataLoader.Config(
-            source="text", max_tokens_per_microbatch=512, global_batch_tokens=1024, shuffle_buffer=256, split_long_documents=True
+            source="text", max_tokens_per_microbatch=512, global_batch_tokens=1024, shuffle_buffer=256,
+            split_long_documents=True,
         ),
         optimizer=OptimizersContainer.Config(name="adamw", lr=3e-3, weight_decay=0.01),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=10, decay_type="cosine", min_lr_ratio=0.1),
@@ -58,7 +59,9 @@ def qwen3_5_moe_a3b() -> Trainer.Config:
         model=model,
         training=TrainingConfig(steps=10000, max_norm=1.0, mixed_precision_param="bfloat16"),
         parallelism=ParallelismConfig(data_parallel_shard_degree=-1),
-        data=HuggingFaceTextDataLoader.Config(source="text", max_tokens_per_microbatch=8192, global_batch_tokens=0, num_workers=2),
+        data=HuggingFaceTextDataLoader.Config(
+            source="text", max_tokens_per_microbatch=8192, global_batch_tokens=0, num_workers=2
+        ),
         optimizer=OptimizersContainer.Config(name="adamw", lr=2e-5, weight_decay=0.1),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=200, decay_type="cosine", min_lr_ratio=0.1),
         checkpoint=CheckpointManager.Config(enable=True, interval=500, keep_latest_k=3, async_mode="async"),

@@ -8,9 +8,8 @@ format the model was loaded from (``Qwen3_5ForCausalLM`` for a model built from 
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -19,10 +18,10 @@ from hyper_parallel.models.qwen3_5_v2.state_dict import (
     CheckpointKeyError,
     Qwen3_5StateDictAdapter,
     load_hf_weights,
-    read_hf_config,
     save_hf_state_dict,
 )
-from hyper_parallel.protocols.model_spec import ModelSpec, default_data_facts, register_spec
+from hyper_parallel.protocols.hf_io import build_from_hf, save_with_model
+from hyper_parallel.protocols.model_spec import ModelSpec, default_data_facts, lazy_function, register_spec
 
 __all__ = [
     "CheckpointKeyError",
@@ -34,24 +33,6 @@ __all__ = [
     "save_pretrained",
 ]
 
-M = TypeVar("M", bound=Qwen3_5Model)
-
-
-def build_from_pretrained(
-    model_cls: type[M], path: str | os.PathLike, *, dtype: torch.dtype, device: str | torch.device, **overrides: Any
-) -> M:
-    """Build ``model_cls`` from an HF folder's config, then load its weights (every key checked)."""
-    config = model_cls.Config.from_hf(read_hf_config(path))
-    if overrides:
-        config = dataclasses.replace(config, **overrides)
-    with torch.device("meta"):
-        model = config.build()
-    model.to_empty(device=device)
-    model.init_weights()
-    load_hf_weights(model, path)
-    return model.to(dtype=dtype)
-
-
 def from_pretrained(
     path: str | os.PathLike,
     *,
@@ -60,7 +41,9 @@ def from_pretrained(
     **config_overrides: Any,
 ) -> Qwen3_5Model:
     """A ``Qwen3_5Model`` from an HF ``Qwen3_5ForCausalLM`` or ``Qwen3_5ForConditionalGeneration`` folder."""
-    return build_from_pretrained(Qwen3_5Model, path, dtype=dtype, device=device, **config_overrides)
+    return build_from_hf(
+        Qwen3_5Model, path, load_weights=load_hf_weights, dtype=dtype, device=device, config_overrides=config_overrides
+    )
 
 
 def save_pretrained(
@@ -77,40 +60,28 @@ def save_pretrained(
     ``text_only`` default: the ConditionalGeneration layout (with the kept visual/mtp keys) iff the model was
     loaded from one, else ``Qwen3_5(Moe)ForCausalLM``. Experts are written per expert (what HF writes).
     """
-    return save_hf_state_dict(
-        model.config,
-        state_dict if state_dict is not None else model.state_dict(),
+    return save_with_model(
+        save_hf_state_dict,
+        model,
         path,
+        state_dict=state_dict,
         max_shard_size=max_shard_size,
         text_only=text_only,
-        passthrough=getattr(model, "hf_passthrough", None),
         dtype=dtype,
     )
-
-
-def _parallelize(model: Qwen3_5Model, **kwargs: Any) -> Qwen3_5Model:
-    # parallelize.py imports the distributed stack; keep `import hyper_parallel.models.qwen3_5_v2` light.
-    from hyper_parallel.models.qwen3_5_v2.parallelize import parallelize_qwen3_5
-
-    return parallelize_qwen3_5(model, **kwargs)
-
-
-def _validate_layout(config: Any, parallel_dims: Any) -> None:
-    from hyper_parallel.models.qwen3_5_v2.parallelize import validate_qwen3_5_layout
-
-    validate_qwen3_5_layout(config, parallel_dims)
 
 
 QWEN3_5_SPEC = ModelSpec(
     name="qwen3_5",
     model=Qwen3_5Model,
-    parallelize_fn=_parallelize,
+    # parallelize.py imports the distributed stack; keep `import hyper_parallel.models.qwen3_5_v2` light.
+    parallelize_fn=lazy_function(f"{__name__}.parallelize", "parallelize_qwen3_5"),
     state_dict_adapter=Qwen3_5StateDictAdapter,
     flavor="qwen3_5_debug",
     from_pretrained=from_pretrained,
     save_pretrained=save_pretrained,
     load_hf_weights=load_hf_weights,
-    validate_layout=_validate_layout,
+    validate_layout=lazy_function(f"{__name__}.parallelize", "validate_qwen3_5_layout"),
     data_sources=("text", "preset_pt", "dummy"),
     data_facts=default_data_facts,  # the text source checks token ids against vocab_size
 )

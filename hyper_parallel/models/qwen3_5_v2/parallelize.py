@@ -12,11 +12,10 @@ from hyper_parallel.config.manager import ConfigError
 from hyper_parallel.config.parallelism import ParallelismConfig
 from hyper_parallel.config.training import ActivationCheckpointConfig, CompileConfig, TrainingConfig
 from hyper_parallel.distributed.parallel_dims import ParallelDims
-from hyper_parallel.distributed.parallelize import declared_shardings, parallelize_decoder
-from hyper_parallel.models.common.feed_forward import FeedForward
+from hyper_parallel.distributed.parallelize import layout_shardings, parallelize_decoder
 from hyper_parallel.models.common.gated_attention import GatedAttention
 from hyper_parallel.models.common.gated_deltanet import GatedDeltaNet
-from hyper_parallel.models.common.moe import MoE
+from hyper_parallel.models.common.layout import mlp_layout_facts
 from hyper_parallel.models.qwen3_5_v2.model import Qwen3_5Model
 from hyper_parallel.models.qwen3_5_v2.sharding import set_qwen3_5_sharding_config
 
@@ -48,24 +47,16 @@ def validate_qwen3_5_layout(config: Qwen3_5Model.Config, parallel_dims: Parallel
                 f"parallel yet: set {_P}tensor_parallel_degree to 1 (use FSDP/HSDP, expert parallel and Ulysses "
                 f"{_P}context_parallel_degree for this model)"
             )
-    moes = [layer.mlp for layer in config.layers if isinstance(layer.mlp, MoE.Config)]
-    tp_dims: dict[str, int] = {}
-    for i, layer in enumerate(config.layers):
-        mlp = layer.mlp
-        ffn = mlp if isinstance(mlp, FeedForward.Config) else getattr(mlp, "shared_experts", None)
-        if ffn is not None:
-            name = "intermediate_size" if ffn is mlp else "shared_expert_intermediate_size"
-            tp_dims.setdefault(name, ffn.hidden_dim)
-    efsdp_dims = {}
-    if moes:
-        efsdp_dims = {"2 x moe_intermediate_size": 2 * moes[0].experts.hidden_dim, "hidden_size": config.dim}
     parallel_dims.validate_model(
         n_heads=attn.n_heads if attn is not None else 1,
         n_kv_heads=attn.n_kv_heads if attn is not None else None,
-        n_routed_experts=moes[0].num_experts if moes else None,
-        tp_dims=tp_dims,
-        efsdp_dims=efsdp_dims,
+        **mlp_layout_facts(config, ffn_name=qwen_ffn_name),
     )
+
+
+def qwen_ffn_name(layer: int, shared: bool) -> str:
+    """The HF Qwen field that sets a dense MLP's / shared expert's hidden size (named by layout errors)."""
+    return "shared_expert_intermediate_size" if shared else "intermediate_size"
 
 
 def parallelize_qwen3_5(
@@ -83,21 +74,7 @@ def parallelize_qwen3_5(
     Gradients are SUMMED over data-parallel ranks: normalise the loss by the global token count.
     """
     validate_qwen3_5_layout(model.config, parallel_dims)
-    declared = declared_shardings(
-        set_sharding(
-            model.config,
-            loss_parallel=parallel_dims.loss_parallel_enabled,
-            enable_sp=parallel_dims.sp_enabled,
-            ep_degree=parallel_dims.ep,
-        )
-    )
-    carried = declared_shardings(model.config)
-    if carried and carried != declared:
-        differ = sorted(k for k in carried.keys() | declared.keys() if carried.get(k) != declared.get(k))
-        raise ValueError(
-            f"the model was built from a config sharded for another layout (first differences: {differ[:3]}): "
-            "build it from the unsharded config or from this run's sharding config"
-        )
+    declared = layout_shardings(model.config, set_sharding, parallel_dims)
     return parallelize_decoder(
         model,
         declared=declared,

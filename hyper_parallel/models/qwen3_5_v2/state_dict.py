@@ -18,13 +18,14 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from hyper_parallel.models.common.gated_deltanet import GatedDeltaNet
+from hyper_parallel.protocols import hf_io
+from hyper_parallel.protocols.hf_io import CheckpointKeyError, HFLoadResult, read_hf_config
 from hyper_parallel.protocols.state_dict_adapter import BaseStateDictAdapter, read_safetensors, write_safetensors
 
 __all__ = [
@@ -40,25 +41,6 @@ _TEXT, _VL = "model.", "model.language_model."
 _PASSTHROUGH = ("model.visual.", "mtp.")
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _MIXER_RE = re.compile(r"^layers\.(\d+)\.(self_attn|linear_attn)\.")
-
-
-class CheckpointKeyError(KeyError):
-    """Missing, unexpected or wrongly shaped checkpoint keys; the message lists all of them."""
-
-    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
-        return str(self.args[0])
-
-
-@dataclass
-class HFLoadResult:
-    """What ``from_hf_checked`` produced."""
-
-    state_dict: dict[str, torch.Tensor]
-    """Our keys -> tensors."""
-    source_format: str
-    """``causal_lm`` (``model.*``) or ``conditional_generation`` (``model.language_model.*``)."""
-    passthrough: dict[str, torch.Tensor] = field(default_factory=dict)
-    """HF keys we do not model (``model.visual.*``, ``mtp.*``), to write back unchanged."""
 
 
 class Qwen3_5StateDictAdapter(BaseStateDictAdapter):
@@ -87,18 +69,7 @@ class Qwen3_5StateDictAdapter(BaseStateDictAdapter):
                 out[key] = t
                 continue
             hf_key = self._mixer_to_hf(key).replace(".mlp.shared_experts.", ".mlp.shared_expert.")
-            if hf_key.endswith("mlp.experts.gate_up_proj"):
-                base = prefix + hf_key[: -len("gate_up_proj")]
-                half = t.shape[1] // 2
-                for e in range(t.shape[0]):
-                    out[f"{base}{e}.gate_proj.weight"] = t[e, :half]
-                    out[f"{base}{e}.up_proj.weight"] = t[e, half:]
-            elif hf_key.endswith("mlp.experts.down_proj"):
-                base = prefix + hf_key[: -len("down_proj")]
-                for e in range(t.shape[0]):
-                    out[f"{base}{e}.down_proj.weight"] = t[e]
-            else:
-                out[prefix + hf_key] = t
+            out.update(hf_io.split_experts(hf_key, t, prefix) or {prefix + hf_key: t})
         if not text_only:
             out.update(passthrough or {})
         return out
@@ -147,66 +118,14 @@ class Qwen3_5StateDictAdapter(BaseStateDictAdapter):
                     result.state_dict[ours] = t
             else:
                 problems.append(f"unexpected: {key}")
-        problems += _fuse_experts(experts, result.state_dict, prefix)
+        problems += hf_io.fuse_experts(experts, result.state_dict, prefix)
         if expected is not None:
-            for key in sorted(expected.keys() - result.state_dict.keys()):
-                problems.append(f"missing: {key}")
-            for key in sorted(result.state_dict.keys() - expected.keys()):
-                problems.append(f"unexpected: {key}")
-            for key in sorted(result.state_dict.keys() & expected.keys()):
-                got, want = tuple(result.state_dict[key].shape), tuple(expected[key])
-                if got != want:
-                    problems.append(f"shape: {key} is {list(got)}, the model expects {list(want)}")
-        if problems:
-            raise CheckpointKeyError(
-                f"checkpoint ({result.source_format} format) does not fit the model: {len(problems)} problem(s):\n  "
-                + "\n  ".join(problems)
-            )
+            problems += hf_io.check_keys(result.state_dict, expected)
+        hf_io.raise_problems(problems, f"checkpoint ({result.source_format} format)")
         return result
 
 
-def _fuse_experts(
-    experts: dict[tuple[int, str], dict[int, torch.Tensor]], out: dict[str, torch.Tensor], prefix: str
-) -> list[str]:
-    """Stack per-expert keys into ``gate_up_proj [E, 2I, H]`` (gate rows first) and ``down_proj [E, H, I]``."""
-    missing: list[str] = []
-    for layer in sorted({layer for layer, _ in experts}):
-        parts = {proj: experts.get((layer, proj), {}) for proj in ("gate_proj", "up_proj", "down_proj")}
-        n = max(max(p) + 1 if p else 0 for p in parts.values())
-        gaps = [
-            f"missing: {prefix}layers.{layer}.mlp.experts.{e}.{proj}.weight"
-            for proj, per in parts.items()
-            for e in range(n)
-            if e not in per
-        ]
-        if gaps:
-            missing += gaps
-            continue
-        gate = torch.stack([parts["gate_proj"][e] for e in range(n)])
-        up = torch.stack([parts["up_proj"][e] for e in range(n)])
-        out[f"layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
-        out[f"layers.{layer}.mlp.experts.down_proj"] = torch.stack([parts["down_proj"][e] for e in range(n)])
-    return missing
-
-
 # ---- HF folders ------------------------------------------------------------------------------
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
-    """``config.json`` of an HF folder, with an error naming the file when it is absent or broken."""
-    f = Path(path) / "config.json"
-    if not f.is_file():
-        raise FileNotFoundError(f"{f} does not exist: an HF checkpoint folder needs its config.json")
-    try:
-        return json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{f} is not valid JSON: {e}") from e
 
 
 def load_hf_weights(model: Any, path: str | os.PathLike) -> HFLoadResult:
@@ -239,7 +158,7 @@ def save_hf_state_dict(
     if text_only is None:
         text_only = "top" not in config.hf_extra
     adapter = Qwen3_5StateDictAdapter(config)
-    hf = adapter.to_hf({k: _full(v) for k, v in state_dict.items()}, text_only=True)
+    hf = adapter.to_hf({k: hf_io.full_tensor(v) for k, v in state_dict.items()}, text_only=True)
     if dtype is not None:
         hf = {k: v.to(dtype) if v.is_floating_point() else v for k, v in hf.items()}
     if not text_only:  # the ConditionalGeneration layout, with the kept keys exactly as they were read

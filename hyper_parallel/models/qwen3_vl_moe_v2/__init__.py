@@ -8,7 +8,6 @@ fused-expert layout it was read in).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -24,10 +23,10 @@ from hyper_parallel.models.qwen3_vl_moe_v2.state_dict import (
     ExpertsLayout,
     Qwen3VlMoeStateDictAdapter,
     load_hf_weights,
-    read_hf_config,
     save_hf_state_dict,
 )
-from hyper_parallel.protocols.model_spec import ModelSpec, register_spec
+from hyper_parallel.protocols.hf_io import build_from_hf, save_with_model
+from hyper_parallel.protocols.model_spec import ModelSpec, lazy_function, register_spec
 
 __all__ = [
     "CheckpointKeyError",
@@ -52,15 +51,15 @@ def from_pretrained(
 
     ``experts_layout`` (Qwen3-VL-MoE fused experts): default from the folder's ``config.json``.
     """
-    config = Qwen3VlMoeModel.Config.from_hf(read_hf_config(path))
-    if config_overrides:
-        config = dataclasses.replace(config, **config_overrides)
-    with torch.device("meta"):
-        model = config.build()
-    model.to_empty(device=device)
-    model.init_weights()
-    load_hf_weights(model, path, experts_layout=experts_layout)
-    return model.to(dtype=dtype)
+    return build_from_hf(
+        Qwen3VlMoeModel,
+        path,
+        load_weights=load_hf_weights,
+        dtype=dtype,
+        device=device,
+        config_overrides=config_overrides,
+        experts_layout=experts_layout,
+    )
 
 
 def save_pretrained(
@@ -73,27 +72,15 @@ def save_pretrained(
     experts_layout: ExpertsLayout | None = None,
 ) -> list[str]:
     """Write ``model`` (or ``state_dict``, e.g. EMA weights) as an HF folder with ``config.json``."""
-    return save_hf_state_dict(
-        model.config,
-        state_dict if state_dict is not None else model.state_dict(),
+    return save_with_model(
+        save_hf_state_dict,
+        model,
         path,
+        state_dict=state_dict,
         max_shard_size=max_shard_size,
         experts_layout=experts_layout or getattr(model, "hf_experts_layout", "memory"),
-        passthrough=getattr(model, "hf_passthrough", None),
         dtype=dtype,
     )
-
-
-def _parallelize(model: Qwen3VlMoeModel, **kwargs: Any) -> Qwen3VlMoeModel:
-    from hyper_parallel.models.qwen3_vl_moe_v2.parallelize import parallelize_qwen3_vl_moe
-
-    return parallelize_qwen3_vl_moe(model, **kwargs)
-
-
-def _validate_layout(config: Any, parallel_dims: Any) -> None:
-    from hyper_parallel.models.qwen3_vl_moe_v2.parallelize import validate_qwen3_vl_moe_layout
-
-    validate_qwen3_vl_moe_layout(config, parallel_dims)
 
 
 def _data_facts(config: Qwen3VlMoeModel.Config) -> dict[str, Any]:
@@ -110,20 +97,16 @@ def _data_facts(config: Qwen3VlMoeModel.Config) -> dict[str, Any]:
     }
 
 
-def _load_hf_weights(model: Qwen3VlMoeModel, path: str) -> None:
-    load_hf_weights(model, path)
-
-
 QWEN3_VL_MOE_SPEC = ModelSpec(
     name="qwen3_vl_moe",
     model=Qwen3VlMoeModel,
-    parallelize_fn=_parallelize,
+    parallelize_fn=lazy_function(f"{__name__}.parallelize", "parallelize_qwen3_vl_moe"),
     state_dict_adapter=Qwen3VlMoeStateDictAdapter,
     flavor="qwen3_vl_moe_debug",
     from_pretrained=from_pretrained,
     save_pretrained=save_pretrained,
-    load_hf_weights=_load_hf_weights,
-    validate_layout=_validate_layout,
+    load_hf_weights=load_hf_weights,
+    validate_layout=lazy_function(f"{__name__}.parallelize", "validate_qwen3_vl_moe_layout"),
     data_sources=("vision_language", "preset_pt"),
     data_facts=_data_facts,
 )

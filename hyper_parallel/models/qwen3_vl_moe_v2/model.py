@@ -229,6 +229,7 @@ class Qwen3VlMoeModel(Decoder):
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
+        cu_seqlens_host: Sequence[int] | None = None,
     ) -> torch.Tensor | ModelOutput:
         """``[B, T]`` ids (+ ``pixel_values [N, P]``, ``image_grid_thw [n, 3]``) -> logits ``[B, T, vocab]``.
 
@@ -239,7 +240,7 @@ class Qwen3VlMoeModel(Decoder):
             position_ids = self.mrope_positions(input_ids, image_grid_thw, cu_seqlens)
         h, idx, deep = self.embed(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw)
         B, T, D = h.shape
-        meta = AttentionMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        meta = AttentionMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_host=cu_seqlens_host)
         auxes = []
         for i, layer in enumerate(self.layers):
             h = layer(h, position_ids=position_ids, meta=meta)

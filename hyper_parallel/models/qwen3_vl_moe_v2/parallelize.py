@@ -15,10 +15,9 @@ from hyper_parallel.config.manager import ConfigError
 from hyper_parallel.config.parallelism import ParallelismConfig
 from hyper_parallel.config.training import ActivationCheckpointConfig, CompileConfig, TrainingConfig
 from hyper_parallel.distributed.parallel_dims import ParallelDims
-from hyper_parallel.distributed.parallelize import declared_shardings, parallelize_decoder
-from hyper_parallel.models.common.feed_forward import FeedForward
-from hyper_parallel.models.common.moe import MoE
-from hyper_parallel.models.qwen3_5_v2.parallelize import validate_qwen3_5_layout
+from hyper_parallel.distributed.parallelize import layout_shardings, parallelize_decoder
+from hyper_parallel.models.common.layout import mlp_layout_facts
+from hyper_parallel.models.qwen3_5_v2.parallelize import qwen_ffn_name, validate_qwen3_5_layout
 from hyper_parallel.models.qwen3_vl_moe_v2.model import Qwen3VlMoeModel
 from hyper_parallel.models.qwen3_vl_moe_v2.sharding import set_qwen3_vl_moe_sharding_config
 
@@ -38,16 +37,8 @@ def validate_qwen3_vl_moe_layout(config: Qwen3VlMoeModel.Config, parallel_dims: 
         validate_qwen3_5_layout(config, parallel_dims)
         return
     attn = config.layers[0].self_attn
-    moes = [layer.mlp for layer in config.layers if isinstance(layer.mlp, MoE.Config)]
-    ffn = next((layer.mlp for layer in config.layers if isinstance(layer.mlp, FeedForward.Config)), None)
     parallel_dims.validate_model(
-        n_heads=attn.n_heads,
-        n_kv_heads=attn.n_kv_heads,
-        n_routed_experts=moes[0].num_experts if moes else None,
-        tp_dims={"intermediate_size": ffn.hidden_dim} if ffn is not None else {},
-        efsdp_dims={"2 x moe_intermediate_size": 2 * moes[0].experts.hidden_dim, "hidden_size": config.dim}
-        if moes
-        else {},
+        n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, **mlp_layout_facts(config, ffn_name=qwen_ffn_name)
     )
 
 
@@ -65,21 +56,7 @@ def parallelize_qwen3_vl_moe(
     Gradients are SUMMED over data-parallel ranks: normalise the loss by the global token count.
     """
     validate_qwen3_vl_moe_layout(model.config, parallel_dims)
-    declared = declared_shardings(
-        set_qwen3_vl_moe_sharding_config(
-            model.config,
-            loss_parallel=parallel_dims.loss_parallel_enabled,
-            enable_sp=parallel_dims.sp_enabled,
-            ep_degree=parallel_dims.ep,
-        )
-    )
-    carried = declared_shardings(model.config)
-    if carried and carried != declared:
-        differ = sorted(k for k in carried.keys() | declared.keys() if carried.get(k) != declared.get(k))
-        raise ValueError(
-            f"the model was built from a config sharded for another layout (first differences: {differ[:3]}): "
-            "build it from the unsharded config or from this run's sharding config"
-        )
+    declared = layout_shardings(model.config, set_qwen3_vl_moe_sharding_config, parallel_dims)
     # Context parallel: the tower runs on all images on every CP rank (pixels are replicated); the model
     # keeps the features of its own chunk's image tokens, found with one all-gather of per-row counts.
     model.cp_group = parallel_dims.mesh("cp").get_group() if parallel_dims.cp_enabled else None

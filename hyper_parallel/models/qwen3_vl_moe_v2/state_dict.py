@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from hyper_parallel.models.qwen3_5_v2.state_dict import CheckpointKeyError, Qwen3_5StateDictAdapter, read_hf_config
+from hyper_parallel.models.qwen3_5_v2.state_dict import Qwen3_5StateDictAdapter
+from hyper_parallel.protocols import hf_io
+from hyper_parallel.protocols.hf_io import CheckpointKeyError, read_hf_config
 from hyper_parallel.protocols.state_dict_adapter import BaseStateDictAdapter, read_safetensors, write_safetensors
 
 if TYPE_CHECKING:
@@ -128,19 +130,11 @@ class Qwen3VlMoeStateDictAdapter(BaseStateDictAdapter):
                 else:
                     problems.append(f"unexpected: {key}")
         if expected is not None:
-            problems += [f"missing: {k}" for k in sorted(expected.keys() - ours.keys())]
-            problems += [f"unexpected: {k}" for k in sorted(ours.keys() - expected.keys())]
-            for key in sorted(ours.keys() & expected.keys()):
-                got, want = tuple(ours[key].shape), tuple(expected[key])
-                if got != want:
-                    hint = ""
-                    if key.endswith(_FUSED):
-                        hint = f" (experts read as the {self.experts_layout!r} layout: pass experts_layout=)"
-                    problems.append(f"shape: {key} is {list(got)}, the model expects {list(want)}{hint}")
-        if problems:
-            raise CheckpointKeyError(
-                f"checkpoint does not fit the {self.family} VL model: {len(problems)} problem(s):\n  " + "\n  ".join(problems)
+            layout_hint = f" (experts read as the {self.experts_layout!r} layout: pass experts_layout=)"
+            problems += hf_io.check_keys(
+                ours, expected, shape_hint=lambda key: layout_hint if key.endswith(_FUSED) else ""
             )
+        hf_io.raise_problems(problems, f"checkpoint ({self.family} VL)")
         return ours, passthrough
 
 
@@ -294,12 +288,6 @@ def config_to_hf(cfg: Qwen3VlMoeModel.Config) -> dict[str, Any]:
 # ---- HF folders ------------------------------------------------------------------------------
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def load_hf_weights(
     model: Qwen3VlMoeModel, path: str | os.PathLike, *, experts_layout: ExpertsLayout | None = None
 ) -> None:
@@ -333,7 +321,7 @@ def save_hf_state_dict(
     The written ``transformers_version`` says which fused-expert layout the folder holds (4.x: hub).
     """
     adapter = Qwen3VlMoeStateDictAdapter(config, experts_layout=experts_layout)
-    hf = adapter.to_hf({k: _full(v) for k, v in state_dict.items()}) | dict(passthrough or {})
+    hf = adapter.to_hf({k: hf_io.full_tensor(v) for k, v in state_dict.items()}) | dict(passthrough or {})
     if dtype is not None:
         hf = {k: v.to(dtype) if v.is_floating_point() else v for k, v in hf.items()}
     path = Path(path)

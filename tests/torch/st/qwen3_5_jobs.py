@@ -4,8 +4,8 @@ under several parallel layouts in ONE launch, and the same steps in one process 
 
 Every layout reads the same global batches: ``GLOBAL_ROWS`` packed rows of ``SEQ`` tokens of text
 documents per step (the DeltaNet state and conv window restart at each document). A data-parallel rank
-takes its slice of rows, a context-parallel rank a chunk of every row; its loss is ``sum of its token CE / global token count`` and gradients are summed
-over ranks, so every layout computes the single process's global token mean. The Switch aux loss is off
+takes its slice of rows, a context-parallel rank a chunk of every row; its loss is ``sum of its token CE /
+global token count`` and gradients are summed over ranks, so every layout computes the single process's global token mean. The Switch aux loss is off
 (``router_aux_loss_coef = 0``): it is a per-rank statistic (pooled over the rank's tokens), so a
 data-parallel layout changes it by design.
 """
@@ -75,7 +75,8 @@ def global_rows(step: int) -> list[dict[str, list[int]]]:
 
 def micro_batch(rows: list[dict[str, list[int]]]) -> dict[str, Any]:
     """The batch contract for ``rows`` (``[len(rows), SEQ]``, cu_seqlens over the flattened stream)."""
-    cu = torch.tensor([b * SEQ + s for b, r in enumerate(rows) for s in r["starts"]] + [len(rows) * SEQ], dtype=torch.int32)
+    starts = [b * SEQ + s for b, r in enumerate(rows) for s in r["starts"]]
+    cu = torch.tensor(starts + [len(rows) * SEQ], dtype=torch.int32)
     return {
         "input_ids": torch.tensor([r["ids"] for r in rows]),
         "labels": torch.tensor([r["labels"] for r in rows]),
@@ -103,9 +104,10 @@ def _train(model, steps: int, pd: ParallelDims | None) -> dict[str, list[float]]
         # a context-parallel rank takes a chunk of every row; cu_seqlens stay global
         mb = split_batch_for_cp(micro_batch(rows[dp_rank * per : (dp_rank + 1) * per]), cp_rank, cp)
         opt.zero_grad()
-        logits, aux = split_output(
-            model(mb["input_ids"], position_ids=mb["position_ids"], cu_seqlens=mb["cu_seqlens"], max_seqlen=mb["max_seqlen"])
+        out = model(
+            mb["input_ids"], position_ids=mb["position_ids"], cu_seqlens=mb["cu_seqlens"], max_seqlen=mb["max_seqlen"]
         )
+        logits, aux = split_output(out)
         assert aux is None  # router_aux_loss_coef = 0 (see the module docstring)
         loss = loss_fn(logits, mb["labels"], num_tokens=global_token_count(step))
         loss.backward()

@@ -178,15 +178,3 @@ class _PrefixAdapter(BaseStateDictAdapter):
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k.removeprefix("model."): v for k, v in hf_state_dict.items()}
 
-
-def test_export_hf_with_ema_weights(tmp_path: Path) -> None:
-    run = _run(tmp_path, export_hf=True, export_dtype="bfloat16")
-    for _ in range(3):
-        _step(run)
-    with run.ema.swap(run.model):
-        out = run.mgr.export_hf(3, state_dict_adapter=_PrefixAdapter(None), hf_config={"model_type": "tiny"})
-    hf = read_safetensors(out)
-    assert json.loads((out / "config.json").read_text()) == {"model_type": "tiny"}
-    assert hf["model.0.weight"].dtype == torch.bfloat16
-    assert torch.equal(hf["model.0.weight"], run.ema.shadow["0.weight"].to(torch.bfloat16))
-    assert not torch.equal(run.ema.shadow["0.weight"], run.model[0].weight)  # training weights are back

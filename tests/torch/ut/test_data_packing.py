@@ -42,7 +42,8 @@ def test_collate_matches_hand_written_contract():
     assert b["cu_seqlens"].tolist() == [0, 4, 6, 9, 12] and b["cu_seqlens"].dtype == torch.int32
     assert b["max_seqlen"] == 4
     assert b["visual_indices"].tolist() == [1, 2, 7] and b["vq_codes"].tolist() == [3, 4, 7]
-    assert set(b) == {"input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "visual_indices", "vq_codes"}
+    assert set(b) == {"input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_host", "max_seqlen", "visual_indices",
+                      "vq_codes"}  # fmt: skip
     for k in ("input_ids", "labels", "position_ids", "visual_indices", "vq_codes"):
         assert b[k].dtype == torch.int64, k
     moved = batch_to_device(b, "cpu")
@@ -76,7 +77,7 @@ def test_collate_on_toy_documents_follows_the_label_rule():
 def test_generic_collate_knows_no_model_input():
     docs = [TokenDocument(f"t{i}", "s", np.array(t), shift_labels(np.array(t))) for i, t in enumerate([[5, 6, 7], [8, 9]])]
     b = collate_packed(docs, pad_token_id=0, pad_to_multiple_of=8)
-    assert set(b) == {"input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen"}
+    assert set(b) == {"input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_host", "max_seqlen"}
     assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0, 0, 0]]
     assert b["labels"].tolist() == [[6, 7, -100, 9, -100, -100, -100, -100]]
     assert b["cu_seqlens"].tolist() == [0, 3, 5, 8] and b["max_seqlen"] == 3
@@ -102,3 +103,13 @@ def test_first_fit_packer_order():
     a.add(5, "y")
     b: FirstFitPacker[str] = FirstFitPacker(10, 2, a.bins)
     assert a.add(4, "z") == b.add(4, "z") == [[(6, "x"), (4, "z")]]
+
+
+def test_collate_gives_attention_the_boundaries_on_the_host():
+    """``cu_seqlens_host`` lists the very boundaries of ``cu_seqlens``, so no layer copies them off the device."""
+    from hyper_parallel.data import TokenDocument, collate_packed
+
+    docs = [TokenDocument(f"d{i}", "mem", np.arange(n), np.arange(n)) for i, n in enumerate((5, 3, 6))]
+    batch = collate_packed(docs, pad_to_multiple_of=8)
+    assert isinstance(batch["cu_seqlens_host"], list)
+    assert batch["cu_seqlens_host"] == batch["cu_seqlens"].tolist() == [0, 5, 8, 14, 16]

@@ -25,7 +25,8 @@ SMALL = ["--training.steps", str(STEPS), "--data.global_batch_tokens", "256", "-
 
 
 def _losses(args: list[str], dump: Path) -> list[float]:
-    cfg = ConfigManager().parse_args([*args, "--dump_folder", str(dump), "--data.cache_dir", str(dump.parent / "cache")])
+    paths = ["--dump_folder", str(dump), "--data.cache_dir", str(dump.parent / "cache")]
+    cfg = ConfigManager().parse_args([*args, *paths])
     trainer = cfg.build()
     try:
         trainer.train()

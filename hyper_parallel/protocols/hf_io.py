@@ -1,0 +1,182 @@
+"""Model-agnostic pieces of HF checkpoint I/O that every model package shares.
+
+A model package keeps its own key mapping (its ``StateDictAdapter``) and calls these for the rest:
+reading ``config.json``, checking converted keys and shapes against the model (one error that lists
+every problem), fusing / splitting per-expert weights, building a model from an HF folder, and the
+``save_pretrained`` plumbing (state dict or EMA weights, kept passthrough keys).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = [
+    "CheckpointKeyError",
+    "HFLoadResult",
+    "build_from_hf",
+    "check_keys",
+    "full_tensor",
+    "fuse_experts",
+    "raise_problems",
+    "read_hf_config",
+    "save_with_model",
+    "split_experts",
+]
+
+M = TypeVar("M")
+
+
+class CheckpointKeyError(KeyError):
+    """Missing, unexpected or wrongly shaped checkpoint keys; the message lists all of them."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0])
+
+
+@dataclass
+class HFLoadResult:
+    """What an adapter's ``from_hf_checked`` produced."""
+
+    state_dict: dict[str, torch.Tensor]
+    """Our keys -> tensors."""
+    source_format: str
+    """Which HF layout the folder held (model specific, e.g. ``causal_lm``)."""
+    passthrough: dict[str, torch.Tensor] = field(default_factory=dict)
+    """HF keys the model does not represent, to write back unchanged."""
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain full tensor (a DTensor is gathered)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """``config.json`` of an HF folder, with an error naming the file when it is absent or broken."""
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise FileNotFoundError(f"{f} does not exist: an HF checkpoint folder needs its config.json")
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f} is not valid JSON: {e}") from e
+
+
+def check_keys(
+    got: dict[str, torch.Tensor],
+    expected: dict[str, torch.Size],
+    *,
+    optional: Iterable[str] = (),
+    shape_hint: Callable[[str], str] | None = None,
+) -> list[str]:
+    """Problems of converted keys ``got`` against the model's ``expected`` key -> shape: missing keys
+    (except ``optional``), unexpected keys and shape mismatches (``shape_hint(key)`` appended)."""
+    problems = [f"missing: {k}" for k in sorted(expected.keys() - got.keys() - set(optional))]
+    problems += [f"unexpected: {k}" for k in sorted(got.keys() - expected.keys())]
+    for key in sorted(got.keys() & expected.keys()):
+        have, want = tuple(got[key].shape), tuple(expected[key])
+        if have != want:
+            hint = shape_hint(key) if shape_hint is not None else ""
+            problems.append(f"shape: {key} is {list(have)}, the model expects {list(want)}{hint}")
+    return problems
+
+
+def raise_problems(problems: list[str], what: str) -> None:
+    """Raise one ``CheckpointKeyError`` listing ``problems`` (if any); ``what`` names the checkpoint."""
+    if problems:
+        raise CheckpointKeyError(
+            f"{what} does not fit the model: {len(problems)} problem(s):\n  " + "\n  ".join(problems)
+        )
+
+
+def split_experts(key: str, t: torch.Tensor, prefix: str) -> dict[str, torch.Tensor] | None:
+    """Fused ``...mlp.experts.gate_up_proj [E, 2I, H]`` / ``...down_proj [E, H, I]`` -> HF per-expert keys
+    ``<prefix>...mlp.experts.{e}.{gate,up,down}_proj.weight``; ``None`` for any other key."""
+    base = prefix + key.rsplit(".", 1)[0] + "."
+    if key.endswith("mlp.experts.gate_up_proj"):
+        half = t.shape[1] // 2
+        out = {}
+        for e in range(t.shape[0]):
+            out[f"{base}{e}.gate_proj.weight"] = t[e, :half]
+            out[f"{base}{e}.up_proj.weight"] = t[e, half:]
+        return out
+    if key.endswith("mlp.experts.down_proj"):
+        return {f"{base}{e}.down_proj.weight": t[e] for e in range(t.shape[0])}
+    return None
+
+
+def fuse_experts(
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]], out: dict[str, torch.Tensor], prefix: str
+) -> list[str]:
+    """Stack per-expert weights (``experts[(layer, proj)][e]``) into ``layers.{i}.mlp.experts.gate_up_proj
+    [E, 2I, H]`` (gate rows first) and ``down_proj [E, H, I]`` in ``out``; returns the missing HF keys."""
+    missing: list[str] = []
+    for layer in sorted({layer for layer, _ in experts}):
+        parts = {proj: experts.get((layer, proj), {}) for proj in ("gate_proj", "up_proj", "down_proj")}
+        n = max(max(p) + 1 if p else 0 for p in parts.values())
+        gaps = [
+            f"missing: {prefix}layers.{layer}.mlp.experts.{e}.{proj}.weight"
+            for proj, per in parts.items()
+            for e in range(n)
+            if e not in per
+        ]
+        if gaps:
+            missing += gaps
+            continue
+        gate = torch.stack([parts["gate_proj"][e] for e in range(n)])
+        up = torch.stack([parts["up_proj"][e] for e in range(n)])
+        out[f"layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
+        out[f"layers.{layer}.mlp.experts.down_proj"] = torch.stack([parts["down_proj"][e] for e in range(n)])
+    return missing
+
+
+def build_from_hf(
+    model_cls: type[M],
+    path: str | os.PathLike,
+    *,
+    load_weights: Callable[..., Any],
+    dtype: torch.dtype,
+    device: str | torch.device,
+    config_overrides: dict[str, Any] | None = None,
+    **load_kwargs: Any,
+) -> M:
+    """Build ``model_cls`` from an HF folder's ``config.json`` (``Config.from_hf``; ``config_overrides``
+    replace top-level fields), initialise it on ``device`` without a CPU copy, then
+    ``load_weights(model, path, **load_kwargs)`` (every key checked) and cast to ``dtype``."""
+    config = model_cls.Config.from_hf(read_hf_config(path))  # type: ignore[attr-defined]
+    if config_overrides:
+        config = dataclasses.replace(config, **config_overrides)
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device=device)
+    model.init_weights()  # parts the checkpoint lacks keep their seeded initialisation
+    load_weights(model, path, **load_kwargs)
+    return model.to(dtype=dtype)
+
+
+def save_with_model(
+    save_state_dict: Callable[..., list[str]],
+    model: Any,
+    path: str | os.PathLike,
+    *,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    **kwargs: Any,
+) -> list[str]:
+    """``save_state_dict(model.config, state_dict or model's own, path, passthrough=kept keys, **kwargs)``:
+    the body every package's ``save_pretrained`` shares."""
+    return save_state_dict(
+        model.config,
+        state_dict if state_dict is not None else model.state_dict(),
+        path,
+        passthrough=getattr(model, "hf_passthrough", None),
+        **kwargs,
+    )
