@@ -46,12 +46,13 @@ from hyper_parallel.config import (
 from hyper_parallel.data import DataConfig, DataStateMismatch
 from hyper_parallel.distributed.context_parallel import split_batch_for_cp
 from hyper_parallel.distributed.env import init_distributed, set_determinism, set_pg_timeouts, world_info
+from hyper_parallel.distributed.fsdp import set_gradient_reduction
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.distributed.utils import clip_grad_norm_, dist_sum
 from hyper_parallel.protocols.model import BaseModel, split_output
 from hyper_parallel.protocols.model_spec import ModelSpec, discover_model_spec
 
-__all__ = ["NonFiniteError", "Trainer"]
+__all__ = ["NonFiniteError", "Trainer", "validate_model_layout"]
 
 logger = logging.getLogger("hyper_parallel")
 
@@ -195,20 +196,7 @@ class Trainer(Configurable):
 
     # ------------------------------------------------------------------ construction helpers
     def _validate_model_layout(self) -> None:
-        """Check the layout against model facts before the model exists (the spec's own check if it has one)."""
-        if self.spec.validate_layout is not None:
-            self.spec.validate_layout(self.config.model, self.parallel_dims)
-            return
-        layers = getattr(self.config.model, "layers", [])
-        attn = next((layer.self_attn for layer in layers if hasattr(layer.self_attn, "n_heads")), None)
-        moe = next((layer.mlp for layer in layers if hasattr(layer.mlp, "num_experts")), None)
-        if attn is None:
-            return
-        self.parallel_dims.validate_model(
-            n_heads=attn.n_heads,
-            n_kv_heads=getattr(attn, "n_kv_heads", None),
-            n_routed_experts=moe.num_experts if moe is not None else None,
-        )
+        validate_model_layout(self.spec, self.config.model, self.parallel_dims)
 
     def _dp_coordinates(self) -> tuple[int, int]:
         pd = self.parallel_dims
@@ -244,14 +232,17 @@ class Trainer(Configurable):
 
         Keys the model does not hold (``hf_passthrough``: e.g. a VQ decoder, a vision tower, MTP layers)
         stay on rank 0's model object and are written back by the export. Rank 0's read can take long
-        for a big folder while the others wait in the broadcast, so this phase runs under
-        ``--comm.init_timeout_seconds``, not the shorter training timeout.
+        for a big folder while the others wait in the broadcast, so this phase runs under its own
+        ``--comm.hf_load_timeout_seconds``, then the init timeout is restored.
         """
         if self.spec.load_hf_weights is None:
             raise NotImplementedError(
                 f"model spec {self.spec.name!r} has no HF loader: drop --checkpoint.initial_load_path"
             )
         distributed = dist.is_initialized() and self.world_size > 1
+        comm = self.config.comm
+        if distributed:
+            set_pg_timeouts(comm.hf_load_timeout_seconds, self.parallel_dims.world_mesh)
         sd: dict[str, torch.Tensor] = {}
         if self.rank == 0:
             full = self.config.model.build()
@@ -262,6 +253,8 @@ class Trainer(Configurable):
             del full
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed, strict=not distributed)
         set_model_state_dict(self.model, sd, options=options)
+        if distributed:
+            set_pg_timeouts(comm.init_timeout_seconds, self.parallel_dims.world_mesh)
         _init_buffers(self.model)
         self._log(f"initialised from HF checkpoint {path}")
 
@@ -405,23 +398,12 @@ class Trainer(Configurable):
         }
 
     def _set_grad_sync(self, *, last: bool) -> None:
-        """FSDP gradient reduction for one micro-batch of a step.
-
-        Default: reduce-scatter after every micro-batch, so gradients stay sharded between micro-batches
-        (deferring keeps a full unsharded fp32 gradient on every rank: ~120 GB for a 30B model); under
-        HSDP only the all-reduce across replicas waits for the last micro-batch.
-        ``--training.defer_grad_reduce`` defers both (fewer collectives, full-size gradients: small models).
-        """
-        sync = getattr(self.model, "set_requires_gradient_sync", None)
-        if not callable(sync):
-            return
-        if self.config.training.defer_grad_reduce:
-            sync(last)
-            return
-        sync(True)
-        all_reduce = getattr(self.model, "set_requires_all_reduce", None)
-        if self.parallel_dims.dp_replicate > 1 and callable(all_reduce):
-            all_reduce(last)
+        set_gradient_reduction(
+            self.model,
+            last=last,
+            defer=self.config.training.defer_grad_reduce,
+            replicated=self.parallel_dims.dp_replicate > 1,
+        )
 
     def _token_ranks(self) -> int:
         group = self._loss_group()
@@ -501,6 +483,24 @@ class Trainer(Configurable):
         self.metrics.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def validate_model_layout(spec: ModelSpec, model_config: Any, parallel_dims: ParallelDims) -> None:
+    """Check a layout against model facts before the model exists: the spec's own check if it has one, else
+    the generic one (heads, key/value heads and routed experts of the first layers that have them)."""
+    if spec.validate_layout is not None:
+        spec.validate_layout(model_config, parallel_dims)
+        return
+    layers = getattr(model_config, "layers", [])
+    attn = next((layer.self_attn for layer in layers if hasattr(layer.self_attn, "n_heads")), None)
+    moe = next((layer.mlp for layer in layers if hasattr(layer.mlp, "num_experts")), None)
+    if attn is None:
+        return
+    parallel_dims.validate_model(
+        n_heads=attn.n_heads,
+        n_kv_heads=getattr(attn, "n_kv_heads", None),
+        n_routed_experts=moe.num_experts if moe is not None else None,
+    )
 
 
 @torch.no_grad()

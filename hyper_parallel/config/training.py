@@ -75,6 +75,9 @@ class CommConfig:
     """Timeout of the first collectives (process-group creation and warm-up)."""
     train_timeout_seconds: int = 600
     """Timeout of every collective after the first step."""
+    hf_load_timeout_seconds: int = 3600
+    """Timeout of the collectives around `--checkpoint.initial_load_path`: the other ranks wait while rank 0
+    reads and converts the whole HF folder (tens of GB for a 30B model)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -38,7 +38,7 @@ import difflib
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -49,7 +49,7 @@ import torch.utils.data
 from hyper_parallel.data.bad_samples import IGNORE_INDEX, BadSampleError
 from hyper_parallel.data.base import BaseDataLoader, DataStateMismatch
 from hyper_parallel.data.plan import Cursor
-from hyper_parallel.data.sharded import MicroBatchReader, ReadItem, ShardedDataLoader, _ItemSampler, _passthrough
+from hyper_parallel.data.sharded import MicroBatchReader, ReadItem, ShardedDataLoader, WorkerReads
 from hyper_parallel.data.source_config import MIXTURE_SOURCE_TYPES, SourceConfig
 
 __all__ = ["MixtureDataLoader", "MixtureSchedule", "parse_sources"]
@@ -196,7 +196,7 @@ class _MixtureReader(torch.utils.data.Dataset):
         return self.readers[s][read]
 
 
-class MixtureDataLoader(BaseDataLoader):
+class MixtureDataLoader(WorkerReads, BaseDataLoader):
     """The sources of ``data.sources`` mixed by weight (module docstring); built by ``DataConfig.build``
     whenever ``data.sources`` is set."""
 
@@ -219,8 +219,6 @@ class MixtureDataLoader(BaseDataLoader):
         """Normalised weights (shares of the tokens), in ``source_names`` order."""
         self._schedule = self._new_schedule(0, None)
         self._reader = _MixtureReader([ch._reader for ch in self.children])
-        self._items: Iterator[tuple[int, dict[str, Any]]] | None = None
-        self._items_next = -1
 
     # -- construction --------------------------------------------------------------------------
     def _build_child(self, src: SourceConfig, kwargs: Mapping[str, Any]) -> ShardedDataLoader:
@@ -293,26 +291,8 @@ class MixtureDataLoader(BaseDataLoader):
         batch["source_ids"] = torch.full(labels.shape, s, dtype=torch.int64)
         return batch
 
-    def _rank_items(self, first_step_g: int) -> Iterator[tuple[int, ReadItem]]:
-        g0 = first_step_g
-        while True:
-            for g in self.my_micro_batches(g0):
-                yield self._item(g)
-            g0 += self.global_micro_batches
-
     def _micro_batches(self, gs: range) -> list[dict[str, Any]]:
-        if self.config.num_workers == 0:
-            out = [self._finish(g, self._reader[self._item(g)][1]) for g in gs]
-        else:
-            if self._items is None or self._items_next != gs[0]:
-                self._start_workers(gs[0])
-            out = []
-            for g in gs:
-                got, batch = next(self._items)
-                if got != g:  # the DataLoader returns work in order: this would be a bug
-                    raise RuntimeError(f"data workers returned mixture micro-batch {got}, expected {g}")
-                out.append(self._finish(g, batch))
-            self._items_next = gs[0] + self.global_micro_batches
+        out = [self._finish(g, batch) for g, batch in zip(gs, self._read(gs))]
         step_start = gs[0] - self.dp_rank * self.micro_batches_per_step
         self._schedule.entry(step_start + self.global_micro_batches - 1)  # the whole step: metrics need it
         self._release(step_start)
@@ -324,23 +304,6 @@ class MixtureDataLoader(BaseDataLoader):
         for child, k in zip(self.children, self._schedule._front.next):
             if k > 0:
                 child._planner.release(k - 1)
-
-    def _start_workers(self, first: int) -> None:
-        self.close()
-        loader = torch.utils.data.DataLoader(
-            self._reader,
-            batch_size=None,
-            sampler=_ItemSampler(self._rank_items(first - self.dp_rank * self.micro_batches_per_step)),
-            num_workers=self.config.num_workers,
-            collate_fn=_passthrough,
-            prefetch_factor=2,
-        )
-        self._items = iter(loader)
-        self._items_next = first
-
-    def close(self) -> None:
-        self._items = None
-        self._items_next = -1
 
     # -- metrics -------------------------------------------------------------------------------
     def _next_counters(self) -> _Counters:

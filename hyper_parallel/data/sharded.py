@@ -186,7 +186,58 @@ class ShardTable:
         return bad_sample_message(self.reader.codec.label, span.shard, span.key, kind, detail)
 
 
-class ShardedDataLoader(BaseDataLoader):
+class WorkerReads:
+    """Reads a rank's micro-batches in order: in this process (``num_workers == 0``) or through a
+    ``DataLoader`` of ``num_workers`` processes, (re)started at any micro-batch. A loader that mixes it in
+    provides ``_reader`` (a Dataset of read items, returning ``(g, batch)``) and ``_item(g)`` (the read
+    item of global micro-batch ``g``)."""
+
+    _items: Iterator[tuple[int, dict[str, Any]]] | None = None
+    _items_next: int = -1  # global number of the next micro-batch ``_items`` yields
+
+    def _rank_items(self, first_step_g: int) -> Iterator[Any]:
+        g0 = first_step_g
+        while True:
+            for g in self.my_micro_batches(g0):
+                yield self._item(g)
+            g0 += self.global_micro_batches
+
+    def _read(self, gs: range) -> list[dict[str, Any]]:
+        """The collated micro-batches ``gs`` (this rank's, consecutive)."""
+        if self.config.num_workers == 0:
+            return [self._reader[self._item(g)][1] for g in gs]
+        if self._items is None or self._items_next != gs[0]:
+            self._start_workers(gs[0])
+        out = []
+        for g in gs:
+            got, batch = next(self._items)
+            if got != g:  # the DataLoader returns work in order: this would be a bug
+                raise RuntimeError(f"data workers returned micro-batch {got}, expected {g}")
+            out.append(batch)
+        self._items_next = gs[0] + self.global_micro_batches
+        return out
+
+    def _start_workers(self, first: int) -> None:
+        """Start the workers on this rank's micro-batches from global micro-batch ``first`` on."""
+        self.close()
+        loader = torch.utils.data.DataLoader(
+            self._reader,
+            batch_size=None,
+            sampler=_ItemSampler(self._rank_items(first - self.dp_rank * self.micro_batches_per_step)),
+            num_workers=self.config.num_workers,
+            collate_fn=_passthrough,
+            prefetch_factor=2,
+        )
+        self._items = iter(loader)
+        self._items_next = first
+
+    def close(self) -> None:
+        """Stop the worker processes (the next step restarts them at the current position)."""
+        self._items = None
+        self._items_next = -1
+
+
+class ShardedDataLoader(WorkerReads, BaseDataLoader):
     """Shard-backed data in a layout-independent order (see the module docstring)."""
 
     bad_kinds: tuple[str, ...] = ()
@@ -225,8 +276,6 @@ class ShardedDataLoader(BaseDataLoader):
         if c.on_bad_sample == "error":
             self._check_every_record()
         self._planner = self._new_planner(None)
-        self._items: Iterator[tuple[int, dict[str, Any]]] | None = None
-        self._items_next = -1  # global number of the next micro-batch ``_items`` yields
 
     # -- what a source provides ----------------------------------------------------------------
     def _prepare(self) -> None:
@@ -278,48 +327,11 @@ class ShardedDataLoader(BaseDataLoader):
     def _item(self, g: int) -> ReadItem:
         return ReadItem(g, tuple(self.table.span(ref) for ref in self._planner.bin(g)))
 
-    def _rank_items(self, first_step_g: int) -> Iterator[ReadItem]:
-        g0 = first_step_g
-        while True:
-            for g in self.my_micro_batches(g0):
-                yield self._item(g)
-            g0 += self.global_micro_batches
-
     # -- reading -------------------------------------------------------------------------------
     def _micro_batches(self, gs: range) -> list[dict[str, Any]]:
-        if self.config.num_workers == 0:
-            out = [self._reader[self._item(g)][1] for g in gs]
-        else:
-            if self._items is None or self._items_next != gs[0]:
-                self._start_workers(gs[0])
-            out = []
-            for g in gs:
-                got, batch = next(self._items)
-                if got != g:  # the DataLoader returns work in order: this would be a bug
-                    raise RuntimeError(f"data workers returned micro-batch {got}, expected {g}")
-                out.append(batch)
-            self._items_next = gs[0] + self.global_micro_batches
+        out = self._read(gs)
         self._planner.release(gs[0] + self.global_micro_batches - self.dp_rank * self.micro_batches_per_step - 1)
         return out
-
-    def _start_workers(self, first: int) -> None:
-        """Start the workers on this rank's micro-batches from global micro-batch ``first`` on."""
-        self.close()
-        loader = torch.utils.data.DataLoader(
-            self._reader,
-            batch_size=None,
-            sampler=_ItemSampler(self._rank_items(first - self.dp_rank * self.micro_batches_per_step)),
-            num_workers=self.config.num_workers,
-            collate_fn=_passthrough,
-            prefetch_factor=2,
-        )
-        self._items = iter(loader)
-        self._items_next = first
-
-    def close(self) -> None:
-        """Stop the worker processes (the next step restarts them at the current position)."""
-        self._items = None
-        self._items_next = -1
 
     # -- state ---------------------------------------------------------------------------------
     @property

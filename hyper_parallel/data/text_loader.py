@@ -31,15 +31,15 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import numpy as np
-import webdataset as wds
 
-from hyper_parallel.data.cache import cached_build
 from hyper_parallel.data.bad_samples import BAD_SAMPLE_KINDS, BadSample, BadSampleError
 from hyper_parallel.data.base import BaseDataLoader
-from hyper_parallel.data.index import IndexSpec, build_index, sidecar_path, write_index
+from hyper_parallel.data.cache import cached_build
+from hyper_parallel.data.index import IndexSpec
 from hyper_parallel.data.npy import load_npy
 from hyper_parallel.data.packing import TokenDocument, collate_packed, shift_labels
 from hyper_parallel.data.shards import resolve_shards
+from hyper_parallel.data.shard_writer import ShardWriter
 from hyper_parallel.data.sharded import ShardedDataLoader
 
 __all__ = ["TEXT_INDEX_SPEC", "HuggingFaceTextDataLoader", "TextCodec", "TextShardWriter", "tokenize_to_shards"]
@@ -140,47 +140,21 @@ def text_classify(stats: Mapping[str, np.ndarray], *, vocab_size: int, max_token
     return np.select([c for c, _ in rules], [1 + TEXT_BAD_KINDS.index(k) for _, k in rules], default=0).astype(np.int64)
 
 
-class TextShardWriter:
+class TextShardWriter(ShardWriter):
     """Writes token documents into ``<out_dir>/<prefix>-NNNNNN.tar`` (``<key>.tokens.npy`` plus an
     optional ``<key>.json``), each finished shard with its index side file."""
 
     def __init__(self, out_dir: str, *, prefix: str = "text", docs_per_shard: int = TEXT_DOCS_PER_SHARD) -> None:
-        self.out_dir, self.prefix, self.docs_per_shard = out_dir, prefix, docs_per_shard
-        self.shards: list[str] = []
-        self._tar: wds.TarWriter | None = None
-        self._count = 0
-        os.makedirs(out_dir, exist_ok=True)
+        super().__init__(out_dir, samples_per_shard=docs_per_shard, prefix=prefix)
+
+    def _index_spec(self) -> IndexSpec:
+        return TEXT_INDEX_SPEC
 
     def write(self, key: str, tokens: np.ndarray, meta: Mapping[str, Any] | None = None) -> None:
-        if self._tar is None or self._count >= self.docs_per_shard:
-            self._close_tar()
-            path = os.path.join(self.out_dir, f"{self.prefix}-{len(self.shards):06d}.tar")
-            self._tar = wds.TarWriter(path, mtime=0)
-            self.shards.append(path)
-            self._count = 0
-        record = {"__key__": key, "tokens.npy": np.asarray(tokens, dtype=np.int32)}
+        record: dict[str, Any] = {"tokens.npy": np.asarray(tokens, dtype=np.int32)}
         if meta:
             record["json"] = dict(meta)
-        self._tar.write(record)
-        self._count += 1
-
-    def _close_tar(self) -> None:
-        if self._tar is not None:
-            self._tar.close()
-            self._tar = None
-            shard = self.shards[-1]
-            index = build_index(shard, TEXT_INDEX_SPEC)
-            write_index(index, sidecar_path(shard), shard_size=os.path.getsize(shard), spec=TEXT_INDEX_SPEC)
-
-    def close(self) -> list[str]:
-        self._close_tar()
-        return self.shards
-
-    def __enter__(self) -> TextShardWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._add(self._key(key), record)
 
 
 # -- raw files -> cached shards ------------------------------------------------------------------

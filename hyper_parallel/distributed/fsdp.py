@@ -21,7 +21,15 @@ from torch.distributed.tensor import Shard
 from hyper_parallel.config.dtypes import TORCH_DTYPE_MAP
 from hyper_parallel.config.training import TrainingConfig
 
-__all__ = ["cast_inputs_to_param_dtype", "fp32_policy_like", "mixed_precision_policy", "reshard_policy", "shard_module", "sum_gradients"]
+__all__ = [
+    "cast_inputs_to_param_dtype",
+    "fp32_policy_like",
+    "mixed_precision_policy",
+    "reshard_policy",
+    "set_gradient_reduction",
+    "shard_module",
+    "sum_gradients",
+]
 
 
 def mixed_precision_policy(training: TrainingConfig) -> MixedPrecisionPolicy:
@@ -108,3 +116,24 @@ def cast_inputs_to_param_dtype(module: nn.Module, policy: MixedPrecisionPolicy) 
         return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
 
     module.register_forward_pre_hook(cast)
+
+
+def set_gradient_reduction(model: nn.Module, *, last: bool, defer: bool, replicated: bool) -> None:
+    """FSDP gradient reduction for one micro-batch of a step (no-op for a model without FSDP).
+
+    Default: reduce-scatter after every micro-batch, so gradients stay sharded between micro-batches
+    (deferring keeps a full unsharded fp32 gradient on every rank: ~120 GB for a 30B model); with a
+    replicate axis (HSDP, ``replicated``) only the all-reduce across replicas waits for the last one.
+    ``defer`` (``--training.defer_grad_reduce``) holds both back until the last micro-batch: fewer
+    collectives, full-size gradients (small models).
+    """
+    sync = getattr(model, "set_requires_gradient_sync", None)
+    if not callable(sync):
+        return
+    if defer:
+        sync(last)
+        return
+    sync(True)
+    all_reduce = getattr(model, "set_requires_all_reduce", None)
+    if replicated and callable(all_reduce):
+        all_reduce(last)

@@ -30,6 +30,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 
+from hyper_parallel.distributed.fsdp import set_gradient_reduction
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.dry_run.layout import OptimizerStateLayout, optimizer_state_layout
 from hyper_parallel.dry_run.simulation import CommLog, SimulationMode
@@ -151,20 +152,6 @@ def materialize_with_optimizer(model: nn.Module, config: Trainer.Config) -> Any:
     return optimizers
 
 
-def _set_grad_sync(model: nn.Module, config: Trainer.Config, pd: ParallelDims, *, last: bool) -> None:
-    """The Trainer's gradient-reduction policy for one micro-batch (``Trainer._set_grad_sync``)."""
-    sync = getattr(model, "set_requires_gradient_sync", None)
-    if not callable(sync):
-        return
-    if getattr(config.training, "defer_grad_reduce", False):
-        sync(last)
-        return
-    sync(True)
-    all_reduce = getattr(model, "set_requires_all_reduce", None)
-    if pd.dp_replicate > 1 and callable(all_reduce):
-        all_reduce(last)
-
-
 def _micro_batch(config: Trainer.Config, pd: ParallelDims) -> dict[str, Any]:
     """This rank's part of one text-only micro-batch: one document of ``max_tokens_per_microbatch`` tokens."""
     seqlen = config.data.max_tokens_per_microbatch
@@ -192,7 +179,9 @@ def _run_step(
     for i in range(n_micro):
         last = i == n_micro - 1
         log.phase = "last" if last else "first"
-        _set_grad_sync(model, config, pd, last=last)
+        set_gradient_reduction(
+            model, last=last, defer=config.training.defer_grad_reduce, replicated=pd.dp_replicate > 1
+        )  # the Trainer's policy
         ctx = parallel_ctx(pd.loss_parallel_enabled) if parallel_ctx is not None else contextlib.nullcontext()
         with ctx:
             out = model(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -14,7 +13,7 @@ from torch import nn
 
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.protocols.model_spec import ModelSpec
-from hyper_parallel.trainer import Trainer
+from hyper_parallel.trainer import Trainer, validate_model_layout
 
 __all__ = ["MESH_DEVICE", "axis_labels", "build_parallel_model", "fake_world", "validate_layout"]
 
@@ -43,7 +42,7 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
 
 def validate_layout(spec: ModelSpec, config: Trainer.Config, parallel_dims: ParallelDims) -> None:
     """The Trainer's own model-layout check, so a dry run fails with the message a real run would print."""
-    Trainer._validate_model_layout(SimpleNamespace(spec=spec, config=config, parallel_dims=parallel_dims))
+    validate_model_layout(spec, config.model, parallel_dims)
 
 
 def build_parallel_model(

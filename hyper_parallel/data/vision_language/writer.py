@@ -8,11 +8,11 @@ import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-import webdataset as wds
 from PIL import Image
 
 from hyper_parallel.data.bad_samples import BadSample, bad_sample_message
-from hyper_parallel.data.index import build_index, sidecar_path, write_index
+from hyper_parallel.data.index import IndexSpec, build_index, sidecar_path, write_index
+from hyper_parallel.data.shard_writer import ShardWriter
 from hyper_parallel.data.shards import iter_tar_records, resolve_shards
 from hyper_parallel.data.vision_language.sample import (
     IMAGE_MARKER,
@@ -69,7 +69,7 @@ def _check_structure(key: str, files: Mapping[str, bytes]) -> None:
             raise BadSample("undecodable", detail) from None
 
 
-class VisionLanguageWriter:
+class VisionLanguageWriter(ShardWriter):
     """Writes vision-language records into ``<out_dir>/<prefix>-NNNNNN.tar``, ``samples_per_shard`` each.
 
     ``write(images, text=...)`` or ``write(images, messages=[...])``: the text holds one
@@ -92,15 +92,11 @@ class VisionLanguageWriter:
         image_format: str = "png",
         validate: bool = True,
     ) -> None:
-        if samples_per_shard < 1:
-            raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
-        self.out_dir, self.prefix, self.samples_per_shard = out_dir, prefix, samples_per_shard
+        super().__init__(out_dir, samples_per_shard=samples_per_shard, prefix=prefix)
         self.encoder, self.image_format, self.validate = encoder, image_format, validate
-        self.shards: list[str] = []
-        self.num_samples = 0
-        self._tar: wds.TarWriter | None = None
-        self._keys: set[str] = set()
-        os.makedirs(out_dir, exist_ok=True)
+
+    def _index_spec(self) -> IndexSpec | None:
+        return self.encoder.index_spec() if self.encoder is not None else None
 
     def write(
         self,
@@ -125,9 +121,7 @@ class VisionLanguageWriter:
 
     def write_files(self, files: Mapping[str, bytes], *, key: str | None = None) -> str:
         """Write one record given as its member files (``{"json": b"...", "0.png": b"...", ...}``)."""
-        key = f"{self.num_samples:09d}" if key is None else str(key)
-        if "." in key or "/" in key or not key:
-            raise ValueError(f"sample key {key!r} must be non-empty without '.' or '/' (webdataset splits on them)")
+        key = self._key(key)
         if self.validate:
             try:
                 if self.encoder is not None:
@@ -136,39 +130,7 @@ class VisionLanguageWriter:
                     _check_structure(key, files)
             except BadSample as e:
                 raise ValueError(f"refusing to write sample {key!r}: {e.detail} [{e.kind}]") from None
-        if self._tar is None or len(self._keys) >= self.samples_per_shard:
-            self._next_shard()
-        if key in self._keys:
-            raise ValueError(f"sample key {key!r} is already in shard {self.shards[-1]!r}")
-        self._keys.add(key)
-        self._tar.write({"__key__": key, **files})
-        self.num_samples += 1
-        return key
-
-    def _next_shard(self) -> None:
-        self._close_tar()
-        path = os.path.join(self.out_dir, f"{self.prefix}-{len(self.shards):06d}.tar")
-        self._tar = wds.TarWriter(path, mtime=0)  # fixed mtime: reproducible bytes
-        self.shards.append(path)
-        self._keys = set()
-
-    def _close_tar(self) -> None:
-        if self._tar is not None:
-            self._tar.close()
-            self._tar = None
-            if self.encoder is not None:
-                write_shard_index(self.shards[-1], self.encoder)
-
-    def close(self) -> list[str]:
-        """Finish the last shard; returns the shard paths."""
-        self._close_tar()
-        return self.shards
-
-    def __enter__(self) -> VisionLanguageWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        return self._add(key, files)
 
 
 def write_shard_index(shard: str, encoder: VisionLanguageEncoder) -> None:

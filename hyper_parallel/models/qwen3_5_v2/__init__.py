@@ -33,6 +33,7 @@ __all__ = [
     "save_pretrained",
 ]
 
+
 def from_pretrained(
     path: str | os.PathLike,
     *,

@@ -112,3 +112,41 @@ def test_gradients_stay_sharded_between_micro_batches(pool, tmp_path):
             assert all(s["with_grads"] == 0.0 and s["reduce_scatter"] == 0 for s in rank["seen"]), rank["seen"]
         assert abs(eager[0]["loss"] - deferred[0]["loss"]) <= 1e-6
         assert _max_diff(eager[0]["grads"], deferred[0]["grads"]) <= 1e-6
+
+
+def load_hf_recording_timeouts(hf_dir: str, dump: str) -> list[int]:
+    """Build a 2-rank trainer from an HF folder; return the process-group timeouts it set, in order."""
+    import torch.distributed as dist
+
+    import hyper_parallel.trainer as trainer_module
+    from hyper_parallel.config import ConfigManager
+
+    seen: list[int] = []
+    original = trainer_module.set_pg_timeouts
+
+    def recording(seconds, mesh=None):
+        seen.append(seconds)
+        return original(seconds, mesh)
+
+    trainer_module.set_pg_timeouts = recording
+    try:
+        cfg = ConfigManager().parse_args([
+            "--module", "glm_image_moe", "--config", "glm_image_moe_debug", "--checkpoint.no_enable",
+            "--checkpoint.initial_load_path", hf_dir, "--comm.hf_load_timeout_seconds", "1234",
+            "--dump_folder", f"{dump}/r{dist.get_rank()}", "--parallelism.data_parallel_shard_degree", "2",
+        ])  # fmt: skip
+        trainer = cfg.build()
+        trainer.close()
+    finally:
+        trainer_module.set_pg_timeouts = original
+    return seen
+
+
+def test_the_hf_load_phase_runs_under_its_own_timeout(pool, tmp_path):
+    """Rank 0 alone reads the HF folder while the others wait: that phase gets --comm.hf_load_timeout_seconds,
+    then the init timeout comes back."""
+    from tests.torch.ut.test_trainer_contracts import write_hf_folder_with_passthrough
+
+    write_hf_folder_with_passthrough(tmp_path / "src", tmp_path / "hf")
+    for seen in pool.run(load_hf_recording_timeouts, 2, str(tmp_path / "hf"), str(tmp_path / "run")):
+        assert seen == [1234, 300], seen
