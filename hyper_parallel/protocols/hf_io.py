@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from abc import abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,13 +19,17 @@ from typing import Any, TypeVar
 
 import torch
 
+from hyper_parallel.protocols.state_dict_adapter import BaseStateDictAdapter, read_safetensors
+
 __all__ = [
+    "CheckedStateDictAdapter",
     "CheckpointKeyError",
     "HFLoadResult",
     "build_from_hf",
     "check_keys",
     "full_tensor",
     "fuse_experts",
+    "load_checked",
     "raise_problems",
     "read_hf_config",
     "save_with_model",
@@ -51,6 +56,24 @@ class HFLoadResult:
     """Which HF layout the folder held (model specific, e.g. ``causal_lm``)."""
     passthrough: dict[str, torch.Tensor] = field(default_factory=dict)
     """HF keys the model does not represent, to write back unchanged."""
+
+
+class CheckedStateDictAdapter(BaseStateDictAdapter):
+    """An adapter whose HF -> ours conversion reports what it found (:class:`HFLoadResult`) and can check
+    every key and shape against the model."""
+
+    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF keys -> our keys (any HF layout the adapter reads); see ``from_hf_checked``."""
+        return self.from_hf_checked(hf_state_dict).state_dict
+
+    @abstractmethod
+    def from_hf_checked(
+        self, hf_state_dict: dict[str, torch.Tensor], expected: dict[str, torch.Size] | None = None
+    ) -> HFLoadResult:
+        """Convert, and with ``expected`` (our key -> shape) check every key and shape.
+
+        Raises one ``CheckpointKeyError`` listing every missing, unexpected and mis-shaped key.
+        """
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -137,6 +160,28 @@ def fuse_experts(
         out[f"layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
         out[f"layers.{layer}.mlp.experts.down_proj"] = torch.stack([parts["down_proj"][e] for e in range(n)])
     return missing
+
+
+R = TypeVar("R", bound=HFLoadResult)
+
+
+def load_checked(
+    model: Any, path: str | os.PathLike, convert: Callable[[dict[str, torch.Tensor], dict[str, torch.Size]], R]
+) -> R:
+    """Load an HF folder's safetensors into a whole ``model`` in place and return what ``convert`` made of them.
+
+    ``convert(hf_state_dict, expected)`` (``expected``: the model's key -> shape; e.g. an adapter's
+    ``from_hf_checked``) raises on any bad key or shape, so nothing is copied from a checkpoint that does
+    not fit. Its ``passthrough`` (HF keys the model does not represent) is kept on ``model.hf_passthrough``
+    for the export.
+    """
+    ours = model.state_dict()
+    result = convert(read_safetensors(path), {k: v.shape for k, v in ours.items()})
+    with torch.no_grad():
+        for key, t in result.state_dict.items():
+            ours[key].copy_(t)
+    model.hf_passthrough = dict(result.passthrough)
+    return result
 
 
 def build_from_hf(

@@ -14,6 +14,7 @@ import numpy as np
 from hyper_parallel.data.direct_token.reading import check_shards
 from hyper_parallel.data.direct_token.writer import write_shards
 from hyper_parallel.data.direct_token.sample import SampleSpec
+from hyper_parallel.data.shard_cli import add_shard_commands, iter_jsonl, print_check_report
 
 __all__ = ["main"]
 
@@ -29,14 +30,7 @@ def _iter_input(path: str) -> Iterator[dict[str, Any]]:
             codes = np.load(base + ".vq_codes.npy") if os.path.exists(base + ".vq_codes.npy") else np.zeros(0, np.int64)
             yield {"key": key, "tokens": np.load(base + ".tokens.npy"), "vq_codes": codes, **meta}
         return
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"error: {path}:{line_no} is not valid JSON: {e}") from None
+    yield from iter_jsonl(path)
 
 
 def _model_facts(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -47,29 +41,20 @@ def _model_facts(p: argparse.ArgumentParser, *, required: bool) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hyper_parallel.data.direct_token", description="Write, check and generate DirectToken webdataset shards.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    w = sub.add_parser("write", help="write shards from a .jsonl file or a directory of .npy arrays")
-    w.add_argument("--input", required=True, help=".jsonl file, or directory of <key>.tokens.npy files")
-    w.add_argument("--output-dir", required=True)
-    w.add_argument("--prefix", default="train", help="shard file prefix: <prefix>-000000.tar")
-    w.add_argument("--samples-per-shard", type=int, default=1000)
-    _model_facts(w, required=False)
-
-    t = sub.add_parser("toy", help="write the embedded toy corpus (learnable caption -> image-code structure)")
-    t.add_argument("--output-dir", required=True)
-    t.add_argument("--num-samples", type=int, default=None)
-    t.add_argument("--seed", type=int, default=0)
-    _model_facts(t, required=True)
-
-    c = sub.add_parser("check", help="validate every sample of some shards and count bad ones by kind")
-    c.add_argument("--path", required=True, help="directory, glob or brace pattern")
-    c.add_argument("--max-tokens", type=int, required=True, help="packing budget (data.max_tokens_per_microbatch)")
-    _model_facts(c, required=True)
-
-    x = sub.add_parser("index", help="write the index side file (<shard>.idx.npz) of shards written without one")
-    x.add_argument("--path", required=True, help="directory, glob or brace pattern")
-    x.add_argument("--placeholder-token-id", type=int, required=True, help="token id of every image position")
+    commands = add_shard_commands(
+        parser,
+        write="write shards from a .jsonl file or a directory of .npy arrays",
+        input_help=".jsonl file, or directory of <key>.tokens.npy files",
+        toy="write the embedded toy corpus (learnable caption -> image-code structure)",
+        check="validate every sample of some shards and count bad ones by kind",
+        index="write the index side file (<shard>.idx.npz) of shards written without one",
+    )
+    _model_facts(commands["write"], required=False)
+    _model_facts(commands["toy"], required=True)
+    _model_facts(commands["check"], required=True)
+    commands["index"].add_argument(
+        "--placeholder-token-id", type=int, required=True, help="token id of every image position"
+    )
 
     args = parser.parse_args(argv)
     if args.command == "index":
@@ -111,10 +96,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {len(shards)} toy shard(s) to {args.output_dir}")
     else:
         spec = SampleSpec(args.lang_vocab_size, args.codebook_size, args.placeholder_token_id, args.max_tokens)
-        report = check_shards(args.path, spec)
-        for message in report["messages"]:
-            print(message)
-        print(json.dumps({k: report[k] for k in ("samples", "tokens", "bad")}))
-        return 1 if report["bad"] else 0
+        return print_check_report(check_shards(args.path, spec), ("samples", "tokens", "bad"))
     return 0
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from hyper_parallel.data.shard_cli import add_shard_commands, iter_jsonl, print_check_report
 from hyper_parallel.data.vision_language.preprocess import ImageProcessor
 from hyper_parallel.data.vision_language.sample import VisionLanguageEncoder, make_encoder
 
@@ -18,19 +18,12 @@ __all__ = ["main"]
 def _iter_input(path: str, image_root: str | None) -> Iterator[dict[str, Any]]:
     """Records of a .jsonl file; ``images`` are file paths (relative to ``image_root`` or the file's folder)."""
     root = image_root or os.path.dirname(os.path.abspath(path))
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"error: {path}:{line_no} is not valid JSON: {e}") from None
-            images = []
-            for p in record.pop("images", []):
-                with open(os.path.join(root, p), "rb") as im:
-                    images.append(im.read())
-            yield {**record, "images": images}
+    for record in iter_jsonl(path):
+        images = []
+        for p in record.pop("images", []):
+            with open(os.path.join(root, p), "rb") as im:
+                images.append(im.read())
+        yield {**record, "images": images}
 
 
 def _model_facts(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -85,30 +78,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m hyper_parallel.data.vision_language",
         description="Write, check, index and generate vision-language webdataset shards.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    w = sub.add_parser("write", help="write shards from a .jsonl file ({images: [paths], text | messages})")
-    w.add_argument("--input", required=True, help=".jsonl file: one record per line")
-    w.add_argument("--image-root", default=None, help="folder the image paths are relative to (default: the file's)")
-    w.add_argument("--output-dir", required=True)
-    w.add_argument("--prefix", default="train", help="shard file prefix: <prefix>-000000.tar")
-    w.add_argument("--samples-per-shard", type=int, default=1000)
-    _model_facts(w, required=False)
-
-    t = sub.add_parser("toy", help="write the embedded toy corpus (coloured shapes with captions)")
-    t.add_argument("--output-dir", required=True)
-    t.add_argument("--num-samples", type=int, default=None)
-    t.add_argument("--seed", type=int, default=0)
-    _model_facts(t, required=False)
-
-    c = sub.add_parser("check", help="decode every record (pixels included) and count bad ones by kind")
-    c.add_argument("--path", required=True, help="directory, glob or brace pattern")
-    c.add_argument("--max-tokens", type=int, required=True, help="packing budget (data.max_tokens_per_microbatch)")
-    _model_facts(c, required=True)
-
-    x = sub.add_parser("index", help="write the index side file (<shard>.idx.npz) for the given model facts")
-    x.add_argument("--path", required=True, help="directory, glob or brace pattern")
-    _model_facts(x, required=True)
+    commands = add_shard_commands(
+        parser,
+        write="write shards from a .jsonl file ({images: [paths], text | messages})",
+        input_help=".jsonl file: one record per line",
+        toy="write the embedded toy corpus (coloured shapes with captions)",
+        check="decode every record (pixels included) and count bad ones by kind",
+        index="write the index side file (<shard>.idx.npz) for the given model facts",
+    )
+    commands["write"].add_argument(
+        "--image-root", default=None, help="folder the image paths are relative to (default: the file's)"
+    )
+    for name, required in (("write", False), ("toy", False), ("check", True), ("index", True)):
+        _model_facts(commands[name], required=required)
 
     args = parser.parse_args(argv)
     try:
@@ -143,10 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from hyper_parallel.data.vision_language.writer import check_shards
 
             report = check_shards(args.path, _encoder(args), max_tokens=args.max_tokens)
-            for message in report["messages"]:
-                print(message)
-            print(json.dumps({k: report[k] for k in ("samples", "tokens", "images", "bad")}))
-            return 1 if report["bad"] else 0
+            return print_check_report(report, ("samples", "tokens", "images", "bad"))
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from hyper_parallel.components import CheckpointManager, LRSchedulersContainer, MetricsProcessor, OptimizersContainer
-from hyper_parallel.config import ParallelismConfig, TrainingConfig
+from hyper_parallel.config import ActivationCheckpointConfig, ParallelismConfig, TrainingConfig
 from hyper_parallel.data import TokenDataLoader
 from hyper_parallel.models.glm_image_moe_v2.model import glm_image_moe_config
 from hyper_parallel.trainer import Trainer
@@ -36,7 +36,12 @@ def glm_image_moe_debug() -> Trainer.Config:
 
 
 def glm_image_moe_a3b() -> Trainer.Config:
-    """GLM-4.7-Flash dimensions (30B total, ~3B active) with the GlmImage VQ path, bf16 FSDP."""
+    """GLM-4.7-Flash dimensions (30B total, ~3B active) with the GlmImage VQ path, bf16 FSDP.
+
+    Full activation checkpointing: without it one 8192-token micro-batch needs ~88 GiB of activations
+    (``python -m hyper_parallel.dry_run`` on 8-64 ranks), more than an 80 GiB GPU holds. A step is 1M tokens
+    (128 micro-batches of 8192 over the data-parallel ranks, whatever their number).
+    """
     model = glm_image_moe_config(
         vocab_size=154880, hidden_size=2048, intermediate_size=10240, moe_intermediate_size=1536,
         num_hidden_layers=47, num_attention_heads=20, n_routed_experts=64, num_experts_per_tok=4,
@@ -50,7 +55,8 @@ def glm_image_moe_a3b() -> Trainer.Config:
         model=model,
         training=TrainingConfig(steps=10000, max_norm=1.0, mixed_precision_param="bfloat16"),
         parallelism=ParallelismConfig(data_parallel_shard_degree=-1),
-        data=TokenDataLoader.Config(max_tokens_per_microbatch=8192, global_batch_tokens=0, num_workers=2),
+        activation_checkpoint=ActivationCheckpointConfig(mode="full"),
+        data=TokenDataLoader.Config(max_tokens_per_microbatch=8192, global_batch_tokens=1 << 20, num_workers=2),
         optimizer=OptimizersContainer.Config(name="adamw", lr=2e-5, weight_decay=0.1),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=200, decay_type="cosine", min_lr_ratio=0.1),
         checkpoint=CheckpointManager.Config(enable=True, interval=500, keep_latest_k=3, async_mode="async"),

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from hyper_parallel.protocols import hf_io
-from hyper_parallel.protocols.hf_io import CheckpointKeyError, read_hf_config
-from hyper_parallel.protocols.state_dict_adapter import BaseStateDictAdapter, read_safetensors, write_safetensors
+from hyper_parallel.protocols.hf_io import CheckedStateDictAdapter, CheckpointKeyError, read_hf_config
+from hyper_parallel.protocols.state_dict_adapter import write_safetensors
 
 __all__ = [
     "CheckpointKeyError",
@@ -56,7 +56,7 @@ class HFLoadResult(hf_io.HFLoadResult):
     """HF keys deliberately dropped (MTP layers)."""
 
 
-class GlmImageMoeStateDictAdapter(BaseStateDictAdapter):
+class GlmImageMoeStateDictAdapter(CheckedStateDictAdapter):
     """Converts a GlmImageMoe state dict to and from the HF formats of docs/design.md section 4."""
 
     def __init__(self, model_config: Any, **runtime_objects: Any) -> None:
@@ -100,17 +100,10 @@ class GlmImageMoeStateDictAdapter(BaseStateDictAdapter):
         return split if split is not None else {prefix + key: t}
 
     # ---- HF -> ours -------------------------------------------------------------------------
-    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """HF keys -> our keys (either HF format); see ``from_hf_checked`` for the details."""
-        return self.from_hf_checked(hf_state_dict).state_dict
-
     def from_hf_checked(
         self, hf_state_dict: dict[str, torch.Tensor], expected: dict[str, torch.Size] | None = None
     ) -> HFLoadResult:
-        """Convert, and with ``expected`` (our key -> shape) check every key and shape.
-
-        Raises one ``CheckpointKeyError`` listing every missing, unexpected and mis-shaped key.
-        """
+        """Either HF format; a plain Glm4MoeLite head goes to ``partial_head``, MTP layers to ``ignored``."""
         is_image = any(k.startswith(_LM) for k in hf_state_dict)
         prefix = _LM if is_image else "model."
         result = HFLoadResult(state_dict={}, source_format="glm_image_moe" if is_image else "glm4_moe_lite")
@@ -185,15 +178,10 @@ def load_hf_weights(model: Any, path: str | os.PathLike) -> HFLoadResult:
     checkpoint fills the backbone and head rows ``[0, V)`` and leaves the image parts as they are.
     """
     adapter = GlmImageMoeStateDictAdapter(model.config)
-    ours = model.state_dict()
-    expected = {k: v.shape for k, v in ours.items()}
-    result = adapter.from_hf_checked(read_safetensors(path), expected=expected)
-    with torch.no_grad():
-        for key, t in result.state_dict.items():
-            ours[key].copy_(t)
-        if result.partial_head is not None:
-            ours["lm_head.weight"][: adapter.lang_vocab_size].copy_(result.partial_head)
-    model.hf_passthrough = dict(result.passthrough)
+    result = hf_io.load_checked(model, path, adapter.from_hf_checked)
+    if result.partial_head is not None:
+        with torch.no_grad():
+            model.state_dict()["lm_head.weight"][: adapter.lang_vocab_size].copy_(result.partial_head)
     return result
 
 

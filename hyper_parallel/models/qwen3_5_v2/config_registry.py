@@ -5,10 +5,8 @@
 
 from __future__ import annotations
 
-from hyper_parallel.components import CheckpointManager, LRSchedulersContainer, MetricsProcessor, OptimizersContainer
-from hyper_parallel.config import ParallelismConfig, TrainingConfig
-from hyper_parallel.data import HuggingFaceTextDataLoader
 from hyper_parallel.models.qwen3_5_v2.model import qwen3_5_config
+from hyper_parallel.models.qwen3_5_v2.trainer_config import qwen3_5_text_trainer
 from hyper_parallel.trainer import Trainer
 
 __all__ = ["qwen3_5_4b", "qwen3_5_debug"]
@@ -22,20 +20,7 @@ def qwen3_5_debug() -> Trainer.Config:
         linear_value_head_dim=16, intermediate_size=128, rope_theta=1e7, partial_rotary_factor=0.25,
         mrope_section=(2, 1, 1), max_position_embeddings=4096,
     )  # fmt: skip
-    return Trainer.Config(
-        model_spec="qwen3_5",
-        model=model,
-        training=TrainingConfig(steps=120, max_norm=1.0),
-        # path "" = the embedded toy text corpus and its 512-id tokenizer (no download).
-        data=HuggingFaceTextDataLoader.Config(
-            source="text", max_tokens_per_microbatch=512, global_batch_tokens=1024, shuffle_buffer=256,
-            split_long_documents=True,
-        ),
-        optimizer=OptimizersContainer.Config(name="adamw", lr=3e-3, weight_decay=0.01),
-        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=10, decay_type="cosine", min_lr_ratio=0.1),
-        checkpoint=CheckpointManager.Config(enable=True, interval=50, keep_latest_k=2, export_hf=True, export_dtype="float32"),
-        metrics=MetricsProcessor.Config(log_freq=10),
-    )
+    return qwen3_5_text_trainer("qwen3_5", model, debug=True)
 
 
 def qwen3_5_4b() -> Trainer.Config:
@@ -53,16 +38,4 @@ def qwen3_5_4b() -> Trainer.Config:
         linear_value_head_dim=128, linear_conv_kernel_dim=4, intermediate_size=9216, rope_theta=1e7,
         partial_rotary_factor=0.25, mrope_section=(11, 11, 10), rms_norm_eps=1e-6, max_position_embeddings=262144,
     )  # fmt: skip
-    return Trainer.Config(
-        model_spec="qwen3_5",
-        model=model,
-        training=TrainingConfig(steps=10000, max_norm=1.0, mixed_precision_param="bfloat16"),
-        parallelism=ParallelismConfig(data_parallel_shard_degree=-1),
-        data=HuggingFaceTextDataLoader.Config(
-            source="text", max_tokens_per_microbatch=8192, global_batch_tokens=0, num_workers=2
-        ),
-        optimizer=OptimizersContainer.Config(name="adamw", lr=2e-5, weight_decay=0.1),
-        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=200, decay_type="cosine", min_lr_ratio=0.1),
-        checkpoint=CheckpointManager.Config(enable=True, interval=500, keep_latest_k=3, async_mode="async"),
-        metrics=MetricsProcessor.Config(log_freq=10),
-    )
+    return qwen3_5_text_trainer("qwen3_5", model, debug=False)

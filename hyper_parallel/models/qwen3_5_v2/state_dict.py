@@ -25,8 +25,8 @@ import torch
 
 from hyper_parallel.models.common.gated_deltanet import GatedDeltaNet
 from hyper_parallel.protocols import hf_io
-from hyper_parallel.protocols.hf_io import CheckpointKeyError, HFLoadResult, read_hf_config
-from hyper_parallel.protocols.state_dict_adapter import BaseStateDictAdapter, read_safetensors, write_safetensors
+from hyper_parallel.protocols.hf_io import CheckedStateDictAdapter, CheckpointKeyError, HFLoadResult, read_hf_config
+from hyper_parallel.protocols.state_dict_adapter import write_safetensors
 
 __all__ = [
     "CheckpointKeyError",
@@ -43,7 +43,7 @@ _EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_pro
 _MIXER_RE = re.compile(r"^layers\.(\d+)\.(self_attn|linear_attn)\.")
 
 
-class Qwen3_5StateDictAdapter(BaseStateDictAdapter):
+class Qwen3_5StateDictAdapter(CheckedStateDictAdapter):
     """Converts a Qwen3.5 / Qwen3.5-MoE state dict to and from the HF formats above."""
 
     def __init__(self, model_config: Any, **runtime_objects: Any) -> None:
@@ -81,17 +81,11 @@ class Qwen3_5StateDictAdapter(BaseStateDictAdapter):
         return key
 
     # ---- HF -> ours -------------------------------------------------------------------------
-    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """HF keys (either format) -> our keys; see ``from_hf_checked``."""
-        return self.from_hf_checked(hf_state_dict).state_dict
-
     def from_hf_checked(
         self, hf_state_dict: dict[str, torch.Tensor], expected: dict[str, torch.Size] | None = None
     ) -> HFLoadResult:
-        """Convert, and with ``expected`` (our key -> shape) check every key and shape.
-
-        Raises one ``CheckpointKeyError`` listing every missing, unexpected and mis-shaped key.
-        """
+        """CausalLM (``model.*``) or ConditionalGeneration (``model.language_model.*``) keys; ``model.visual.*``
+        and ``mtp.*`` go to ``passthrough``."""
         vl = any(k.startswith(_VL) for k in hf_state_dict)
         prefix = _VL if vl else _TEXT
         result = HFLoadResult(state_dict={}, source_format="conditional_generation" if vl else "causal_lm")
@@ -131,14 +125,7 @@ class Qwen3_5StateDictAdapter(BaseStateDictAdapter):
 def load_hf_weights(model: Any, path: str | os.PathLike) -> HFLoadResult:
     """Load an HF folder (CausalLM or ConditionalGeneration; per-expert or fused experts) into a whole model in
     place. Every key and shape is checked first; ``model.visual.*``/``mtp.*`` are kept in ``model.hf_passthrough``."""
-    adapter = Qwen3_5StateDictAdapter(model.config)
-    ours = model.state_dict()
-    result = adapter.from_hf_checked(read_safetensors(path), expected={k: v.shape for k, v in ours.items()})
-    with torch.no_grad():
-        for key, t in result.state_dict.items():
-            ours[key].copy_(t)
-    model.hf_passthrough = dict(result.passthrough)
-    return result
+    return hf_io.load_checked(model, path, Qwen3_5StateDictAdapter(model.config).from_hf_checked)
 
 
 def save_hf_state_dict(

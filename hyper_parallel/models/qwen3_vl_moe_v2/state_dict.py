@@ -29,7 +29,7 @@ import torch
 from hyper_parallel.models.qwen3_5_v2.state_dict import Qwen3_5StateDictAdapter
 from hyper_parallel.protocols import hf_io
 from hyper_parallel.protocols.hf_io import CheckpointKeyError, read_hf_config
-from hyper_parallel.protocols.state_dict_adapter import BaseStateDictAdapter, read_safetensors, write_safetensors
+from hyper_parallel.protocols.state_dict_adapter import BaseStateDictAdapter, write_safetensors
 
 if TYPE_CHECKING:
     from hyper_parallel.models.qwen3_vl_moe_v2.model import Qwen3VlMoeModel
@@ -297,12 +297,12 @@ def load_hf_weights(
     """
     layout = experts_layout or experts_layout_of(read_hf_config(path))
     adapter = Qwen3VlMoeStateDictAdapter(model.config, experts_layout=layout)
-    ours = model.state_dict()
-    state, passthrough = adapter.from_hf_checked(read_safetensors(path), expected={k: v.shape for k, v in ours.items()})
-    with torch.no_grad():
-        for key, t in state.items():
-            ours[key].copy_(t)
-    model.hf_passthrough = dict(passthrough)
+
+    def convert(hf: dict[str, torch.Tensor], expected: dict[str, torch.Size]) -> hf_io.HFLoadResult:
+        ours, passthrough = adapter.from_hf_checked(hf, expected=expected)
+        return hf_io.HFLoadResult(ours, model.config.text_family, passthrough)
+
+    hf_io.load_checked(model, path, convert)
     model.hf_experts_layout = layout
 
 
