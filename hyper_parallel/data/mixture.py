@@ -48,7 +48,6 @@ import torch.utils.data
 
 from hyper_parallel.data.bad_samples import IGNORE_INDEX, BadSampleError
 from hyper_parallel.data.base import BaseDataLoader, DataStateMismatch
-from hyper_parallel.data.plan import Cursor
 from hyper_parallel.data.sharded import MicroBatchReader, ReadItem, ShardedDataLoader, WorkerReads
 from hyper_parallel.data.source_config import MIXTURE_SOURCE_TYPES, SourceConfig
 

@@ -11,7 +11,7 @@ Decoding validates every invariant the model relies on and returns a :class:`Sam
 A sample that breaks an invariant raises ``BadSample`` with a kind from
 :data:`DIRECT_TOKEN_BAD_KINDS`.
 
-The same checks run on the shard index before anything is read (:func:`index_stats` computes a
+The same checks run on the shard index before anything is read (:class:`DirectTokenStats` computes a
 record's statistics once; :func:`classify` applies the model facts to them, in the order
 :func:`make_sample` checks), so every rank knows which records are bad from the index alone.
 :func:`collate_direct_token` is the generic packing collate plus the VQ model inputs
@@ -46,7 +46,6 @@ __all__ = [
     "decode_sample",
     "direct_token_index_spec",
     "encode_files",
-    "index_stats",
     "make_sample",
 ]
 

@@ -56,7 +56,7 @@ try:  # recent torch only
 except ImportError:  # pragma: no cover - depends on the torch version
     varlen_attn = None
 
-__all__ = ["AttentionMeta", "VarlenAttention"]
+__all__ = ["AttentionMeta", "VarlenAttention", "check_boundaries"]
 
 
 def _gpu_half(q: torch.Tensor) -> bool:
@@ -98,7 +98,7 @@ class AttentionMeta:
             self.cu_seqlens_host = self.cu_seqlens.tolist()  # the one device->host copy of this forward
         cu = list(self.cu_seqlens_host)
         if self._checked != (batch, seqlen):
-            _check_boundaries(cu, batch, seqlen)
+            check_boundaries(cu, batch, seqlen)
             if self.cu_seqlens.numel() != len(cu):
                 raise ValueError(
                     f"cu_seqlens ({self.cu_seqlens.numel()} entries) and cu_seqlens_host ({len(cu)}) disagree: "
@@ -126,7 +126,9 @@ class AttentionMeta:
         return (idx - cu[doc]).view(batch, seqlen)
 
 
-def _check_boundaries(cu: Sequence[int], batch: int, seqlen: int) -> None:
+def check_boundaries(cu: Sequence[int], batch: int, seqlen: int) -> None:
+    """Raise unless ``cu`` (document boundaries over the flat ``B*T`` stream) rises strictly from 0 to
+    ``B*T`` and includes every row boundary (documents never cross a row)."""
     n = batch * seqlen
     if len(cu) < 2 or cu[0] != 0 or cu[-1] != n or any(b <= a for a, b in zip(cu[:-1], cu[1:])):
         raise ValueError(

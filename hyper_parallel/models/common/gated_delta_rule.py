@@ -30,7 +30,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from hyper_parallel.models.common.attention import AttentionMeta
+from hyper_parallel.models.common.attention import AttentionMeta, check_boundaries
 from hyper_parallel.protocols.module import Module
 
 __all__ = ["GatedDeltaRule", "causal_conv1d_silu", "chunk_gated_delta_rule", "document_bounds"]
@@ -41,17 +41,7 @@ def document_bounds(cu_seqlens: torch.Tensor | list[int] | None, batch: int, seq
     if cu_seqlens is None:
         return list(range(0, batch * seqlen + 1, seqlen))
     cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
-    n = batch * seqlen
-    if cu[0] != 0 or cu[-1] != n or any(b <= a for a, b in zip(cu[:-1], cu[1:])):
-        raise ValueError(
-            f"cu_seqlens must increase strictly from 0 to B*T={n} (B={batch}, T={seqlen}); got {cu[:4]}...{cu[-2:]}"
-        )
-    missing = sorted(set(range(0, n + 1, seqlen)) - set(cu))
-    if missing:
-        raise ValueError(
-            f"documents must not cross a row: cu_seqlens lacks the row boundaries {missing[:4]} "
-            f"(multiples of T={seqlen}); fix the packing collate"
-        )
+    check_boundaries(cu, batch, seqlen)
     return cu
 
 

@@ -27,7 +27,6 @@ from tests.torch.ut.hf_utils import (
     max_grad_diff,
     mlp_config_from_hf,
     randomize_,
-    rope_config_from_hf,
     tiny_lite_config,
 )
 

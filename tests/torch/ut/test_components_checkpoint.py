@@ -20,7 +20,6 @@ from hyper_parallel.components import (
     OptimizersContainer,
     assert_finite,
 )
-from hyper_parallel.protocols.state_dict_adapter import BaseStateDictAdapter, read_safetensors
 
 # DCP announces that it runs without a process group in these single-process tests
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -169,12 +168,3 @@ def test_disabled_manager_does_nothing(tmp_path: Path) -> None:
     assert run.mgr.save(2) is False
     assert run.mgr.load_latest() is None
     assert not (tmp_path / "checkpoint").exists()
-
-
-class _PrefixAdapter(BaseStateDictAdapter):
-    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {f"model.{k}": v for k, v in state_dict.items()}
-
-    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k.removeprefix("model."): v for k, v in hf_state_dict.items()}
-

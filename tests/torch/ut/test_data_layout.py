@@ -21,7 +21,6 @@ import webdataset as wds
 
 from hyper_parallel.data import (
     DataConfig,
-    DirectTokenWriter,
     ToyCorpusSpec,
     first_difference,
     global_batches,
