@@ -13,9 +13,8 @@ a step's micro-batches is the same for every DP degree and every ``num_workers``
 (the number of the next global micro-batch, plus a source's planner cursor) is the same on every
 rank: save it once, load it on any number of ranks.
 
-``model_facts`` are what the model says about its inputs (``{"vocab_size": ...}``; GlmImageMoe adds
-``codebook_size`` and ``placeholder_token_id``). A source reads the facts it needs and names any
-that are missing.
+``model_facts`` are what the model says about its inputs (``{"vocab_size": ...}``, plus whatever a
+model's own source needs). A source reads the facts it needs and names any that are missing.
 """
 
 from __future__ import annotations
@@ -125,19 +124,14 @@ class BaseDataLoader(Configurable):
         dp_world_size: int = 1,
         seq_multiple: int = 1,
         model_facts: Mapping[str, Any] | None = None,
-        lang_vocab_size: int | None = None,
-        codebook_size: int | None = None,
-        placeholder_token_id: int | None = None,
     ) -> None:
         """``seq_multiple``: what the parallel layout needs micro-batch lengths to be a multiple of
         (context parallel x sequence parallel); combined with ``pad_to_multiple_of`` by lcm.
-        ``lang_vocab_size=``, ``codebook_size=``, ``placeholder_token_id=`` are the former spelling of
-        ``model_facts`` (kept for older callers)."""
+        ``model_facts``: what the model says about its inputs (``ModelSpec.data_facts``)."""
         super().__init__(config)
         if self.source and config.source != self.source:  # the mixture (source "") serves data.sources
             raise ValueError(f"{type(self).__name__} serves data.source={self.source!r}, got {config.source!r}")
-        legacy = {"vocab_size": lang_vocab_size, "codebook_size": codebook_size, "placeholder_token_id": placeholder_token_id}
-        self.model_facts: dict[str, Any] = {**{k: v for k, v in legacy.items() if v is not None}, **dict(model_facts or {})}
+        self.model_facts: dict[str, Any] = dict(model_facts or {})
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.pad_multiple = math.lcm(max(config.pad_to_multiple_of, 1), max(seq_multiple, 1))
         self.global_micro_batches = self._check_layout(config)

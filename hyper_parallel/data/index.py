@@ -6,7 +6,7 @@ record is valid), then reads only its own records by byte offset. An index is an
 
 - ``meta``: a JSON string ``{"format", "kind", "params", "shard_size", "num_records"}``; ``kind``
   (e.g. ``"direct_token/1"``) names the statistics and ``params`` what they depend on (the
-  DirectToken placeholder id), so a source only uses an index whose statistics it understands;
+  the image token id of a DirectToken index), so a source only uses an index whose statistics it understands;
 - ``keys`` (bytes ``[n]``); ``member_start`` (int64 ``[n+1]``: record ``i`` owns members
   ``member_start[i]:member_start[i+1]``); ``member_ext`` (bytes ``[m]``), ``member_offset`` and
   ``member_size`` (int64 ``[m]``: where each member's data lies in the shard file);

@@ -18,7 +18,7 @@ next-fit (arrival order). The open bins are part of the plan's checkpoint.
   ``list[int]`` (attention reads them without a device sync); ``max_seqlen`` int: the longest segment;
 
 plus the source's model inputs, from its ``extras(documents, offsets)`` hook (DirectToken:
-``visual_indices``, ``vq_codes``). Generic code knows no model input.
+its image inputs). Generic code knows no model input.
 """
 
 from __future__ import annotations

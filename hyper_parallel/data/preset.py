@@ -5,7 +5,7 @@ contract (generic keys, ``[B, T]`` rows allowed, plus any model inputs). Batch `
 global micro-batch ``i`` (the list repeats when it runs out), so a step on rank ``r`` gets the same
 batches for every DP degree (:mod:`.base`). Batches are checked on load; a broken one is an error
 naming its index. Model inputs are checked by the source that defines them
-(:func:`register_batch_check`, e.g. DirectToken's ``vq_codes``); without one, input ids and labels
+(:func:`register_batch_check`, e.g. DirectToken's image inputs); without one, input ids and labels
 must lie below the model's ``vocab_size``.
 """
 

@@ -50,7 +50,7 @@ def sum_gradients(module: FSDPModule) -> None:
 
     Plain SUM (no averaging, no premultiplied sum) is also what gloo supports. Unused parameters are
     reduced as zeros: ranks legitimately skip parameters (a batch without images never touches
-    ``vq_to_llm_proj``), and otherwise their reduce-scatters would differ in size across ranks.
+    an image projection), and otherwise their reduce-scatters would differ in size across ranks.
     """
     module.set_gradient_divide_factor(1.0)
     module.set_force_sum_reduction_for_comms(True)

@@ -9,7 +9,7 @@ inputs through every later hook (see ``activation_checkpoint.py``). CP hooks liv
 cores inside the layers and are unaffected.
 
 FSDP units: every decoder layer, the token embedding, the LM head, the root (which holds the rest, and
-ignores a frozen codebook). Inside a layer, parameters whose gradients differ across tp ranks get units
+ignores frozen parameters). Inside a layer, parameters whose gradients differ across tp ranks get units
 on a mesh that includes tp, so FSDP's SUM completes them: under TP the replicated weights inside TP
 blocks (MLA's latent projections and norms: their activation gradients are partial sums), the router
 and the routed experts (the MoE runs on the rank's sequence shard). With EP the routed experts get a
@@ -142,7 +142,7 @@ def parallelize_decoder(
     the decoder layers (AC/compile/FSDP units); MoE layers are found by their ``experts`` child.
     ``embeddings`` and ``head`` are FSDP units each (every rank must call them in every forward).
     ``cast_input_modules`` (inside a bigger unit) get FSDP's mixed-precision input cast.
-    ``ignored_params`` stay whole on every rank, outside FSDP (a frozen codebook).
+    ``ignored_params`` stay whole on every rank, outside FSDP (frozen parameters).
     """
     pd = parallel_dims
     layers = list(layers)

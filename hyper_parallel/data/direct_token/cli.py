@@ -83,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         print(f"wrote {len(shards)} shard(s) to {args.output_dir}")
     elif args.command == "toy":
-        from hyper_parallel.data.toy_corpus import ToyCorpusSpec, write_toy_corpus
+        from hyper_parallel.data.direct_token.toy_corpus import ToyCorpusSpec, write_toy_corpus
 
         spec = ToyCorpusSpec(
             lang_vocab_size=args.lang_vocab_size,

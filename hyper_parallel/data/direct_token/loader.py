@@ -52,7 +52,7 @@ class TokenDataLoader(ShardedDataLoader):
     def _resolve_shards(self) -> list[str]:
         if self.config.path:
             return resolve_shards(self.config.path)
-        from hyper_parallel.data.toy_corpus import ToyCorpusSpec, cached_toy_corpus
+        from hyper_parallel.data.direct_token.toy_corpus import ToyCorpusSpec, cached_toy_corpus
 
         s = self.spec
         toy = ToyCorpusSpec(

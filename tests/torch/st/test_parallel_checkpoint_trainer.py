@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from hyper_parallel.data.toy_corpus import ToyCorpusSpec, write_toy_corpus
+from hyper_parallel.data.direct_token.toy_corpus import ToyCorpusSpec, write_toy_corpus
 from tests.torch.st.glm_jobs import Layout, dcp_load_job, dcp_save_job, reference_job, trainer_job
 
 pytestmark = pytest.mark.slow

@@ -141,7 +141,7 @@ def test_toy_corpus_is_learnable_and_cached(tmp_path):
     assert any(not s["image_grids"] for s in a) and any(len(s["image_grids"]) == 2 for s in a)
     # Learnable: the caption's class word determines the image codes up to the noise. A predictor
     # that knows the class (the most common code per (class word, grid cell)) gets ~90% right.
-    from hyper_parallel.data.toy_corpus import _vocabulary
+    from hyper_parallel.data.direct_token.toy_corpus import _vocabulary
 
     class_words = list(_vocabulary(spec)[0])
     table: dict = {}

@@ -70,9 +70,6 @@ def test_model_facts_are_required_by_name(corpus):
     cfg = DataConfig(path=corpus, max_tokens_per_microbatch=256)
     with pytest.raises(ValueError, match=r"needs the model fact 'codebook_size', but the model gives only \['vocab_size'\]"):
         cfg.build(model_facts={"vocab_size": V})
-    # the former keyword spelling still works
-    old = cfg.build(lang_vocab_size=V, codebook_size=C, placeholder_token_id=P)
-    assert first_difference([old.next_step()], [cfg.build(model_facts=FACTS).next_step()]) is None
 
 
 @pytest.mark.parametrize("workers,dp", [(0, 1), (2, 1), (2, 2)])
