@@ -141,6 +141,31 @@ def text_tokenize(tmp: str, copies: int, steps: int) -> None:
     print(f"  second start (cache hit): {time.perf_counter() - t0:.2f} s")
     tps = throughput(cfg, {"vocab_size": 512}, 1, steps)
     print(f"  read + pack from the cache, rank 0 of 1: {tps / 1e3:8,.0f} k tokens/s")
+    step_tps = training_step_tokens_per_s(tmp)
+    print(f"  the qwen3_5_moe_debug training step consumes {step_tps / 1e3:8,.1f} k tokens/s: tokenise is "
+          f"{tokens / elapsed / step_tps:,.0f}x, read + pack {tps / step_tps:,.0f}x what one process trains on")
+
+
+def training_step_tokens_per_s(tmp: str, steps: int = 4) -> float:
+    """Tokens/s the text debug recipe's training steps consume (one process, after one warm-up step)."""
+    from hyper_parallel.config import ConfigManager
+
+    cfg = ConfigManager().parse_args([
+        "--module", "qwen3_5_moe", "--config", "qwen3_5_moe_debug", "--training.steps", str(steps + 1),
+        "--checkpoint.no_enable", "--checkpoint.no_export_hf", "--dump_folder", os.path.join(tmp, "step"),
+        "--data.cache_dir", os.path.join(tmp, "step_cache"),
+    ])  # fmt: skip
+    trainer = cfg.build()
+    try:
+        trainer.step = 1
+        trainer.train_step()  # warm-up
+        t0, tokens = time.perf_counter(), 0
+        for _ in range(steps):
+            trainer.step += 1
+            tokens += trainer.train_step()["num_tokens"]
+        return tokens / (time.perf_counter() - t0)
+    finally:
+        trainer.close()
 
 
 def padding_fractions(path: str, max_tokens: int, num_docs: int = 4000, seed: int = 0) -> dict[str, float]:

@@ -236,3 +236,27 @@ def test_profiler_writes_a_trace_after_a_three_step_run(tmp_path):
     _run(cfg)
     traces = list((tmp_path / "profile_traces").rglob("rank0_trace.json"))
     assert traces and traces[0].stat().st_size > 1000, traces
+
+
+def test_labelled_tokens_are_counted_on_the_host_before_the_copy(tmp_path):
+    """The step's token count (its one all-reduce) comes from the host batches, before any tensor moves to
+    the device, so counting never waits for the device."""
+    trainer = _config(tmp_path, "--training.steps", "1", "--checkpoint.no_enable", "--checkpoint.no_export_hf").build()
+    order: list[str] = []
+    to_device, count = trainer._to_device, trainer._sum_over_token_ranks
+
+    def recording_to_device(mb):
+        assert all(v.device.type == "cpu" for v in mb.values() if torch.is_tensor(v))  # still host batches
+        order.append("to_device")
+        return to_device(mb)
+
+    def recording_count(value):
+        order.append("count")
+        return count(value)
+
+    trainer._to_device, trainer._sum_over_token_ranks = recording_to_device, recording_count
+    try:
+        trainer.train_step()
+    finally:
+        trainer.close()
+    assert order[0] == "count" and "to_device" in order, order
