@@ -260,3 +260,31 @@ def test_labelled_tokens_are_counted_on_the_host_before_the_copy(tmp_path):
     finally:
         trainer.close()
     assert order[0] == "count" and "to_device" in order, order
+
+
+def test_the_model_aux_loss_is_added_and_logged(tmp_path):
+    """A model that returns ModelOutput(logits, aux_loss) (Qwen3.5-MoE with router_aux_loss_coef > 0): the
+    trainer adds the aux loss to the step's loss and logs it; without one, no aux_loss is logged."""
+    import dataclasses
+
+    from hyper_parallel.models.common.moe import MoE
+
+    def run(coef: float, dump: Path) -> list[dict]:
+        cfg = ConfigManager().parse_args([
+            "--module", "qwen3_5_moe", "--config", "qwen3_5_moe_debug", "--training.steps", "2",
+            "--metrics.log_freq", "1", "--checkpoint.no_enable", "--checkpoint.no_export_hf",
+            "--dump_folder", str(dump), "--debug.deterministic",
+        ])  # fmt: skip
+        layers = [
+            dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, router_aux_loss_coef=coef))
+            if isinstance(layer.mlp, MoE.Config) else layer
+            for layer in cfg.model.layers
+        ]  # fmt: skip
+        _run(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layers=layers)))
+        return _records(dump)
+
+    plain, with_aux = run(0.0, tmp_path / "plain"), run(0.5, tmp_path / "aux")
+    assert all("aux_loss" not in r for r in plain)
+    assert all(r["aux_loss"] > 0 for r in with_aux)
+    # step 1 starts from the same weights and batch: the logged loss is the token loss plus the aux loss
+    assert with_aux[0]["loss"] == pytest.approx(plain[0]["loss"] + with_aux[0]["aux_loss"], rel=1e-5)
