@@ -17,7 +17,7 @@ from hyper_parallel.models.qwen3_5_moe_v2.model import Qwen3_5MoeModel, Qwen3_5M
 from hyper_parallel.models.qwen3_5_moe_v2.state_dict import CheckpointKeyError, Qwen3_5MoeStateDictAdapter, load_hf_weights
 from hyper_parallel.models.qwen3_5_v2 import save_pretrained as _save_pretrained
 from hyper_parallel.protocols.hf_io import build_from_hf
-from hyper_parallel.protocols.model_spec import ModelSpec, default_data_facts, lazy_function, register_spec
+from hyper_parallel.protocols.model_spec import ModelSpec, lazy_function, register_spec
 
 __all__ = [
     "CheckpointKeyError",
@@ -69,7 +69,6 @@ QWEN3_5_MOE_SPEC = ModelSpec(
     save_pretrained=save_pretrained,
     load_hf_weights=load_hf_weights,
     validate_layout=lazy_function(f"{__name__}.parallelize", "validate_qwen3_5_moe_layout"),
-    data_sources=("text", "preset_pt", "dummy"),
-    data_facts=default_data_facts,  # the text source checks token ids against vocab_size
+    # data_sources / data_facts: the defaults (text, preset_pt, dummy; the vocabulary size)
 )
 register_spec("qwen3_5_moe", QWEN3_5_MOE_SPEC, aliases=("qwen3_5_moe_v2",))

@@ -21,7 +21,7 @@ from hyper_parallel.models.qwen3_5_v2.state_dict import (
     save_hf_state_dict,
 )
 from hyper_parallel.protocols.hf_io import build_from_hf, save_with_model
-from hyper_parallel.protocols.model_spec import ModelSpec, default_data_facts, lazy_function, register_spec
+from hyper_parallel.protocols.model_spec import ModelSpec, lazy_function, register_spec
 
 __all__ = [
     "CheckpointKeyError",
@@ -83,7 +83,6 @@ QWEN3_5_SPEC = ModelSpec(
     save_pretrained=save_pretrained,
     load_hf_weights=load_hf_weights,
     validate_layout=lazy_function(f"{__name__}.parallelize", "validate_qwen3_5_layout"),
-    data_sources=("text", "preset_pt", "dummy"),
-    data_facts=default_data_facts,  # the text source checks token ids against vocab_size
+    # data_sources / data_facts: the defaults (text, preset_pt, dummy; the vocabulary size)
 )
 register_spec("qwen3_5", QWEN3_5_SPEC, aliases=("qwen3_5_v2",))
