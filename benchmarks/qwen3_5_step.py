@@ -50,7 +50,10 @@ def bench_deltanet(args) -> tuple[float, float]:
     torch.manual_seed(0)
     hf = Qwen3_5MoeGatedDeltaNet(cfg, 0)
     ours = GatedDeltaNet.Config(num_k_heads=Hk, num_v_heads=Hv, head_k_dim=D, head_v_dim=D).build(dim=H)
-    ours.load_state_dict(hf.state_dict())
+    state = hf.state_dict()
+    for key in ("in_proj_qkv.weight", "conv1d.weight"):  # HF's [Q | K | V] rows -> our grouped order
+        state[key] = GatedDeltaNet.qkv_rows_from_hf(ours.config, state[key])
+    ours.load_state_dict(state)
     x = torch.randn(1, args.seq, H)
     grad = torch.randn(1, args.seq, H) / args.seq
 

@@ -11,8 +11,9 @@ cores inside the layers and are unaffected.
 FSDP units: every decoder layer, the token embedding, the LM head, the root (which holds the rest, and
 ignores frozen parameters). Inside a layer, parameters whose gradients differ across tp ranks get units
 on a mesh that includes tp, so FSDP's SUM completes them: under TP the replicated weights inside TP
-blocks (MLA's latent projections and norms: their activation gradients are partial sums), the router
-and the routed experts (the MoE runs on the rank's sequence shard). With EP the routed experts get a
+blocks (MLA's latent projections and norms: their activation gradients are partial sums), and, as the
+MoE runs on the rank's sequence shard, the router, the routed experts and any other plain MoE weight
+(a shared-expert gate). With EP the routed experts get a
 unit on ``efsdp``, sharded on dim 1. A bf16 run keeps routers in fp32 units.
 Gradients are summed, not averaged, over data-parallel ranks (see ``fsdp.py``).
 """
@@ -83,8 +84,10 @@ def layout_shardings(
 
 
 def _is_partial_grad_region(sc: ShardingConfig) -> bool:
+    # Modules declaring parameters count too (a region whose own per-head parameters are sharded); their
+    # DTensor parameters are skipped below, only plain ones inside need the tp-wide reduction.
     grads = sc.local_map.in_grad_placements if sc.local_map is not None else None
-    return not sc.params and any(
+    return any(
         isinstance(p, Partial)
         for named in (grads or ())
         if named
@@ -104,6 +107,19 @@ def _tp_partial_param_modules(model: nn.Module, declared: Mapping[str, ShardingC
             if own and not any(isinstance(p, DTensor) for p in own) and sub not in out:
                 out.append(sub)
     return out
+
+
+def _moe_token_shard_modules(moe: nn.Module, skip: Iterable[nn.Module | None]) -> list[nn.Module]:
+    """Modules of an MoE (which runs on the rank's sequence shard under TP) with plain parameters, other than
+    ``skip``: their gradients cover this rank's tokens only, so they reduce over a mesh that includes tp."""
+    skipped = {id(m) for s in skip if s is not None for m in s.modules()}
+    return [
+        m
+        for m in moe.modules()
+        if id(m) not in skipped
+        and (own := list(m.parameters(recurse=False)))
+        and not any(isinstance(p, DTensor) for p in own)
+    ]
 
 
 def _check_sequence_hook(parallel_dims: ParallelDims):
@@ -193,6 +209,9 @@ def parallelize_decoder(
             if router is not None and (pd.tp_enabled or mp.param_dtype not in (None, torch.float32)):
                 router_mesh = pd.fsdp_mesh_with_tp() if pd.tp_enabled else dense_mesh
                 shard_module(router, router_mesh, mp_policy=fp32_policy_like(mp), reshard_after_forward=reshard)
+            local = _moe_token_shard_modules(moe, skip=(router, moe.experts)) if pd.tp_enabled else []
+            if local:  # e.g. Qwen's shared_expert_gate: plain weights that see only this rank's tokens
+                shard_module(local, pd.fsdp_mesh_with_tp(), mp_policy=mp, reshard_after_forward=reshard)
             if separate_moe:
                 shard_module(
                     moe.experts,

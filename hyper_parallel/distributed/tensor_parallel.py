@@ -11,8 +11,9 @@ Semantics, per module and per axis:
 
 - ``params``: a module with at least one declared parameter computes on DTensors: every direct
   parameter becomes a DTensor on the axis' mesh (undeclared ones ``Replicate()``), and its declared
-  inputs reach ``forward`` as DTensors. A module without declared parameters (a container such as an
-  attention block or an MLP) receives plain local tensors.
+  inputs reach ``forward`` as DTensors, unless ``local_forward`` says the forward reads its parameters'
+  local shards itself (then inputs arrive local). A module without declared parameters (a container
+  such as an attention block or an MLP) receives plain local tensors.
 - ``inputs[name]``: how to read the local tensor the caller hands in; ``desired_inputs[name]``: the
   placement the module needs (redistributed on entry: all-gather, slice ...).
 - ``outputs``: how to read a local output (a DTensor output already knows); ``desired_outputs``: the
@@ -224,9 +225,9 @@ def apply_sharding_configs(
                 f"but the module's own parameters are {sorted(own)}: fix the model's sharding.py"
             )
         placements = {n: p for n, named in sc.params.items() if (p := _on_axis(named, axis)) is not None}
-        dtensor_inputs = bool(placements)
-        if dtensor_inputs:
+        if placements:
             distribute_module_params(module, mesh, placements)
+        dtensor_inputs = bool(placements) and not sc.local_forward
         names = sorted({n for n, v in (*sc.inputs.items(), *sc.desired_inputs.items()) if _on_axis(v, axis)})
         if names:
             binder = _input_binder(module, names, fqn)

@@ -63,6 +63,10 @@ class ShardingConfig:
     """The placement the caller wants the output in (redistributed on exit)."""
     use_local_output: bool = True
     """Hand the output on as a plain local tensor rather than a DTensor."""
+    local_forward: bool = False
+    """``forward`` computes on plain local tensors although the module declares parameters: its inputs are
+    handed in local and it reads the local shards of its own parameters (a recurrence core over the rank's
+    heads cannot run on DTensors). Default: a module with declared parameters computes on DTensors."""
     local_map: LocalMapConfig | None = None
     """Run the forward on local shards instead of DTensors."""
 

@@ -3,7 +3,7 @@
 Legend: B batch, T tokens, D model dim, Hk key heads, Hv value heads, Dk/Dv head dims (head counts are
 LOCAL under tensor parallel: they are read off the projections' outputs).
 
-    qkv = in_proj_qkv(x)           rows [Q (Hk*Dk) | K (Hk*Dk) | V (Hv*Dv)], each head-major
+    qkv = in_proj_qkv(x)           rows grouped by key head (see below)
     z   = in_proj_z(x)             [B, T, Hv, Dv]
     beta = sigmoid(in_proj_b(x))   model dtype;   g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias)  fp32
     o   = delta_rule(q, k, v, g, beta)   (causal depthwise conv + SiLU, then the gated delta rule)
@@ -11,6 +11,16 @@ LOCAL under tensor parallel: they are read off the projections' outputs).
 
 Packed documents are exact: the conv window and the recurrent state restart at every ``cu_seqlens``
 boundary (see ``gated_delta_rule``).
+
+Row order of the fused ``in_proj_qkv.weight`` and of ``conv1d.weight`` (a trap: same keys as HF, other
+order). HF stores ``[Q | K | V]``, each head-major. We store the rows grouped by key head ``j``::
+
+    [q_j (Dk) | k_j (Dk) | v_{j*r} .. v_{j*r + r - 1} (r*Dv)]  for j = 0 .. Hk-1,   r = Hv / Hk
+
+(value head ``h`` reads key head ``h // r``), so one ``Shard(0)`` over any tensor-parallel degree that
+divides Hk hands every rank whole groups: exactly its Q, K and V heads (Megatron's fused-QKV order). The
+order is fixed by the model config, not by the layout, so checkpoints are layout-independent; the state
+dict adapters convert with ``GatedDeltaNet.qkv_rows_from_hf`` / ``qkv_rows_to_hf``.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hyper_parallel.models.common.attention import AttentionMeta
 from hyper_parallel.models.common.gated_delta_rule import GatedDeltaRule
@@ -30,6 +41,11 @@ from hyper_parallel.protocols.module import Module
 from hyper_parallel.protocols.param_init import NormalInit, ParamInit
 
 __all__ = ["CausalConv1d", "GatedDeltaNet"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's shard of a tensor-parallel parameter (its gradient flows back as that shard)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class CausalConv1d(Module):
@@ -70,7 +86,7 @@ class GatedDeltaNet(TokenMixer):
         head_v_dim: int
         """Value head dim Dv (HF ``linear_value_head_dim``)."""
         in_proj_qkv: Linear.Config = field(default_factory=Linear.Config)
-        """Fused ``[Q | K | V]`` projection ``[2*Hk*Dk + Hv*Dv, D]`` (no bias in HF)."""
+        """Fused q/k/v projection ``[2*Hk*Dk + Hv*Dv, D]``, rows grouped by key head (module docstring; no bias)."""
         in_proj_z: Linear.Config = field(default_factory=Linear.Config)
         """Output-gate projection ``[Hv*Dv, D]``."""
         in_proj_b: Linear.Config = field(default_factory=Linear.Config)
@@ -78,7 +94,7 @@ class GatedDeltaNet(TokenMixer):
         in_proj_a: Linear.Config = field(default_factory=Linear.Config)
         """Decay projection ``[Hv, D]``."""
         conv1d: CausalConv1d.Config = field(default_factory=CausalConv1d.Config)
-        """Depthwise causal conv over the q/k/v channels."""
+        """Depthwise causal conv over the q/k/v channels (rows in ``in_proj_qkv``'s grouped order)."""
         norm: GatedRMSNorm.Config = field(default_factory=GatedRMSNorm.Config)
         """Gated output norm over Dv (HF ``rms_norm_eps``)."""
         out_proj: Linear.Config = field(default_factory=Linear.Config)
@@ -130,24 +146,44 @@ class GatedDeltaNet(TokenMixer):
         del position_ids  # no positions: order comes from the recurrence
         c = self.config
         B, T, _ = x_BTD.shape
+        dk, dv, r = c.head_k_dim, c.head_v_dim, c.num_v_heads // c.num_k_heads
         b = self.in_proj_b(x_BTD)
         n_v = b.shape[-1]  # local value heads (tensor parallel shards heads)
-        n_k = n_v * c.num_k_heads // c.num_v_heads
-        q, k, v = self.in_proj_qkv(x_BTD).split([n_k * c.head_k_dim, n_k * c.head_k_dim, n_v * c.head_v_dim], -1)
-        z = self.in_proj_z(x_BTD).view(B, T, n_v, c.head_v_dim)
+        n_k = n_v // r
+        # Grouped rows (module docstring): [q_j | k_j | v_j*r .. v_j*r+r-1] per local key head j.
+        q, k, v = self.in_proj_qkv(x_BTD).view(B, T, n_k, 2 * dk + r * dv).split([dk, dk, r * dv], -1)
+        z = self.in_proj_z(x_BTD).view(B, T, n_v, dv)
         beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_BTD).float() + self.dt_bias)
-        o = self.delta_rule(
-            q.view(B, T, n_k, c.head_k_dim),
-            k.view(B, T, n_k, c.head_k_dim),
-            v.view(B, T, n_v, c.head_v_dim),
-            g,
-            beta,
-            conv_weight=self.conv1d.weight.squeeze(1),
-            meta=meta,
-        )
+        g = -_local(self.A_log).float().exp() * F.softplus(self.in_proj_a(x_BTD).float() + _local(self.dt_bias))
+        # The core takes the conv rows as [Q | K | V] of the heads it is given.
+        w_q, w_k, w_v = _local(self.conv1d.weight).view(n_k, 2 * dk + r * dv, -1).split([dk, dk, r * dv], 1)
+        conv_weight = torch.cat([w.reshape(-1, w.shape[-1]) for w in (w_q, w_k, w_v)])
+        o = self.delta_rule(q, k, v.reshape(B, T, n_v, dv), g, beta, conv_weight=conv_weight, meta=meta)
         o = self.norm(o, z)
         return self.out_proj(o.reshape(B, T, -1))
+
+    @classmethod
+    def qkv_rows_from_hf(cls, config: Config, rows: torch.Tensor) -> torch.Tensor:
+        """HF's ``[Q | K | V]`` rows (dim 0 of ``in_proj_qkv.weight`` or ``conv1d.weight``) -> our grouped order."""
+        c = config
+        key_dim, value_dim = c.num_k_heads * c.head_k_dim, c.num_v_heads * c.head_v_dim
+        if rows.shape[0] != 2 * key_dim + value_dim:
+            raise ValueError(
+                f"a Gated DeltaNet q/k/v tensor has 2 * {key_dim} + {value_dim} rows, got shape {tuple(rows.shape)}: "
+                "the checkpoint's linear_* head fields differ from the model's"
+            )
+        tail = rows.shape[1:]
+        q, k, v = (t.reshape(c.num_k_heads, -1, *tail) for t in rows.split([key_dim, key_dim, value_dim]))
+        return torch.cat([q, k, v], dim=1).reshape(rows.shape)
+
+    @classmethod
+    def qkv_rows_to_hf(cls, config: Config, rows: torch.Tensor) -> torch.Tensor:
+        """Our grouped rows -> HF's ``[Q | K | V]`` order (the inverse of ``qkv_rows_from_hf``)."""
+        c = config
+        r = c.num_v_heads // c.num_k_heads
+        grouped = rows.reshape(c.num_k_heads, 2 * c.head_k_dim + r * c.head_v_dim, *rows.shape[1:])
+        q, k, v = grouped.split([c.head_k_dim, c.head_k_dim, r * c.head_v_dim], dim=1)
+        return torch.cat([t.reshape(-1, *rows.shape[1:]) for t in (q, k, v)])
 
     def extra_repr(self) -> str:
         c = self.config

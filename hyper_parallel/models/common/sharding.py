@@ -15,6 +15,9 @@ Tensor parallel (axis ``tp``; ``residual`` is ``Shard(1)`` with sequence paralle
   (whole heads per rank when rows are head-major); ``rowwise_config``: weight ``Shard(1)``, input
   ``Shard(-1)``, output ``Partial`` reduced to ``residual`` (all-reduce, or reduce-scatter with SP).
 - ``norm_config``: replicated weight on sequence shards (SP only; without SP a norm is left plain).
+- Gated DeltaNet: a TP region over value heads; its fused ``in_proj_qkv`` and ``conv1d`` rows are stored
+  grouped by key head (``GatedDeltaNet`` docstring), so one ``Shard(0)`` gives each rank whole heads of Q,
+  K and V; the core runs on local tensors (``local_forward``).
 - embedding: vocab-sharded, output all-reduced to ``Replicate`` (a multimodal ``embed`` scatters image
   features into whole sequences); with SP the first layer then keeps its sequence chunk.
 - MoE: router and routed experts are not tensor-parallel: the MoE runs on the rank's sequence chunk
@@ -35,6 +38,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from hyper_parallel.config.configurable import Configurable
 from hyper_parallel.models.common.decoder import Decoder
 from hyper_parallel.models.common.feed_forward import FeedForward
+from hyper_parallel.models.common.gated_deltanet import GatedDeltaNet
 from hyper_parallel.models.common.gqa import GQAttention
 from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.mixer import TokenMixer
@@ -52,6 +56,7 @@ __all__ = [
     "rowwise_config",
     "set_decoder_sharding_config",
     "set_dense_ffn_sharding",
+    "set_gated_deltanet_sharding",
     "set_gqa_attention_sharding",
     "set_mla_attention_sharding",
     "set_moe_sharding",
@@ -218,6 +223,25 @@ def set_mla_attention_sharding(attn: MLAttention.Config, *, residual: Placement)
     )
 
 
+def set_gated_deltanet_sharding(gdn: GatedDeltaNet.Config, *, residual: Placement) -> GatedDeltaNet.Config:
+    """Gated DeltaNet over tensor parallel, by heads: ``in_proj_qkv`` (rows grouped by key head),
+    ``in_proj_z``/``in_proj_b``/``in_proj_a`` column-wise, ``conv1d.weight``, ``dt_bias`` and ``A_log``
+    ``Shard(0)``, ``out_proj`` row-wise back to ``residual``; the gated ``norm`` (one weight over Dv, shared
+    by all heads) stays replicated. The mixer's forward runs on local tensors (``local_forward``): the
+    recurrence sees the rank's heads only. tp must divide ``num_k_heads`` (so also ``num_v_heads``).
+    """
+    gdn = set_qkv_linear_sharding(gdn, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+    by_head = {TP: Shard(0)}
+    region = region_config("x_BTD", residual)
+    return dataclasses.replace(
+        gdn,
+        sharding_config=dataclasses.replace(region, params={"dt_bias": by_head, "A_log": dict(by_head)}, local_forward=True),
+        conv1d=_with(gdn.conv1d, ShardingConfig(params={"weight": {TP: Shard(0)}}, local_forward=True)),
+        norm=_with(gdn.norm, None),
+        out_proj=_with(gdn.out_proj, rowwise_config(gdn.out_proj, output_placement=residual)),
+    )
+
+
 def set_dense_ffn_sharding(ffn: FeedForward.Config, *, token_placement: Placement) -> FeedForward.Config:
     """SwiGLU MLP as a TP region whose input arrives as ``token_placement`` (``Replicate``, a sequence shard
     ``Shard(1)``, or a token shard ``Shard(0)``): ``gate_proj``/``up_proj`` column-wise, ``down_proj``
@@ -260,6 +284,8 @@ _GQA_FIELDS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
 def _default_mixer_sharding(mixer: TokenMixer.Config, residual: Placement) -> TokenMixer.Config:
     if isinstance(mixer, MLAttention.Config):
         return set_mla_attention_sharding(mixer, residual=residual)
+    if isinstance(mixer, GatedDeltaNet.Config):
+        return set_gated_deltanet_sharding(mixer, residual=residual)
     if isinstance(mixer, GQAttention.Config) or _GQA_FIELDS <= {f.name for f in dataclasses.fields(mixer)}:
         return set_gqa_attention_sharding(mixer, residual=residual)
     raise TypeError(

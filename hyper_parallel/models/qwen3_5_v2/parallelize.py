@@ -28,8 +28,8 @@ def validate_qwen3_5_layout(config: Qwen3_5Model.Config, parallel_dims: Parallel
     """Check the layout against the model; ``ConfigError`` names the degree (or field) to change.
 
     TP and Ulysses CP split heads: they must divide the gated attention's query and key/value heads and
-    Gated DeltaNet's key (Hk) and value (Hv) heads. Ulysses CP splits DeltaNet heads around ``delta_rule``;
-    Gated DeltaNet layers run without TP for now.
+    Gated DeltaNet's key (Hk) and value (Hv) heads (TP shards the DeltaNet projections by heads; Ulysses CP
+    splits the rank's DeltaNet heads again around ``delta_rule``).
     """
     attn = next((layer.self_attn for layer in config.layers if isinstance(layer.self_attn, GatedAttention.Config)), None)
     gdn = next((layer.self_attn for layer in config.layers if isinstance(layer.self_attn, GatedDeltaNet.Config)), None)
@@ -41,12 +41,6 @@ def validate_qwen3_5_layout(config: Qwen3_5Model.Config, parallel_dims: Parallel
                     f"does not divide the Gated DeltaNet {name} ({value}): set {_P}tensor_parallel_degree and "
                     f"{_P}context_parallel_degree so their product divides {value}"
                 )
-        if parallel_dims.tp > 1:
-            raise ConfigError(
-                f"tensor_parallel_degree is {parallel_dims.tp} but Gated DeltaNet layers do not support tensor "
-                f"parallel yet: set {_P}tensor_parallel_degree to 1 (use FSDP/HSDP, expert parallel and Ulysses "
-                f"{_P}context_parallel_degree for this model)"
-            )
     parallel_dims.validate_model(
         n_heads=attn.n_heads if attn is not None else 1,
         n_kv_heads=attn.n_kv_heads if attn is not None else None,

@@ -6,11 +6,10 @@ everything except the mixers, which this file supplies:
 - gated attention: ``q_proj`` column-wise over heads (its rows are per head ``[q_h | gate_h]``, so a rank
   keeps both halves of its heads together), ``k_proj``/``v_proj`` column-wise, ``o_proj`` row-wise back to
   the residual, per-head ``q_norm``/``k_norm`` replicated (the GQA placements);
-- Gated DeltaNet: not tensor-parallel yet. Its TP needs a segment-wise shard of ``in_proj_qkv`` and of
-  ``conv1d.weight`` (each of the Q, K, V row blocks split by heads: not a single ``Shard(0)``), ``in_proj_z``
-  / ``in_proj_b`` / ``in_proj_a`` and ``dt_bias`` / ``A_log`` ``Shard(0)`` by value heads, ``norm`` replicated
-  and ``out_proj`` row-wise; the forward already reads local head counts off the projections.
-  ``validate_qwen3_5_layout`` rejects ``tensor_parallel_degree > 1`` for models with such layers.
+- Gated DeltaNet: by heads (``set_gated_deltanet_sharding``): the fused ``in_proj_qkv`` and ``conv1d``
+  rows are stored grouped by key head, so one ``Shard(0)`` hands each rank whole Q, K and V heads;
+  ``in_proj_z``/``in_proj_b``/``in_proj_a``, ``dt_bias``, ``A_log`` by value heads, ``out_proj`` row-wise,
+  the gated ``norm`` replicated. The recurrence runs on the rank's heads as local tensors.
 - dense MLP / MoE / embeddings / head: the shared placements.
 """
 
@@ -21,7 +20,11 @@ from torch.distributed.tensor import Placement
 from hyper_parallel.models.common.gated_attention import GatedAttention
 from hyper_parallel.models.common.gated_deltanet import GatedDeltaNet
 from hyper_parallel.models.common.mixer import TokenMixer
-from hyper_parallel.models.common.sharding import set_decoder_sharding_config, set_gqa_attention_sharding
+from hyper_parallel.models.common.sharding import (
+    set_decoder_sharding_config,
+    set_gated_deltanet_sharding,
+    set_gqa_attention_sharding,
+)
 from hyper_parallel.models.qwen3_5_v2.model import Qwen3_5Model
 
 __all__ = ["qwen3_5_mixer_sharding", "set_qwen3_5_sharding_config"]
@@ -33,7 +36,7 @@ def qwen3_5_mixer_sharding(mixer: TokenMixer.Config, residual: Placement) -> Tok
         # Same fields and head-major rows as GQA; q_proj's per-head [q | gate] rows stay together.
         return set_gqa_attention_sharding(mixer, residual=residual)
     if isinstance(mixer, GatedDeltaNet.Config):
-        return mixer  # no tensor-parallel placements (validate_qwen3_5_layout keeps tp == 1)
+        return set_gated_deltanet_sharding(mixer, residual=residual)
     raise TypeError(f"a Qwen3.5 layer's mixer is GatedAttention or GatedDeltaNet, not {type(mixer).__qualname__}")
 
 

@@ -9,6 +9,10 @@ Ours (in memory)                            HF ``Qwen3_5(Moe)ForCausalLM``  (``P
   layers.{i}.mlp.experts.down_proj            P layers.{i}.mlp.experts.{e}.down_proj.weight
   lm_head.weight                              lm_head.weight
 
+Gated DeltaNet's fused ``in_proj_qkv.weight`` and ``conv1d.weight`` keep their keys but not their row order:
+HF's ``[Q | K | V]`` becomes our grouped-by-key-head order (``GatedDeltaNet`` docstring), so that tensor
+parallel is one ``Shard(0)``.
+
 A ``Qwen3_5(Moe)ForConditionalGeneration`` folder has ``P = model.language_model.``; its ``model.visual.*``
 and ``mtp.*`` keys are not modelled here: they are kept (``hf_passthrough``) and written back unchanged.
 """
@@ -41,6 +45,7 @@ _TEXT, _VL = "model.", "model.language_model."
 _PASSTHROUGH = ("model.visual.", "mtp.")
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _MIXER_RE = re.compile(r"^layers\.(\d+)\.(self_attn|linear_attn)\.")
+_QKV_ROWS_RE = re.compile(r"^layers\.(\d+)\.self_attn\.(in_proj_qkv|conv1d)\.weight$")
 
 
 class Qwen3_5StateDictAdapter(CheckedStateDictAdapter):
@@ -49,8 +54,20 @@ class Qwen3_5StateDictAdapter(CheckedStateDictAdapter):
     def __init__(self, model_config: Any, **runtime_objects: Any) -> None:
         super().__init__(model_config, **runtime_objects)
         self.linear_layers = {
-            i for i, layer in enumerate(model_config.layers) if isinstance(layer.self_attn, GatedDeltaNet.Config)
+            i: layer.self_attn
+            for i, layer in enumerate(model_config.layers)
+            if isinstance(layer.self_attn, GatedDeltaNet.Config)
         }
+
+    def _qkv_rows(self, key: str, t: torch.Tensor, *, to_hf: bool) -> torch.Tensor:
+        """Reorder the rows of a DeltaNet ``in_proj_qkv``/``conv1d`` weight (our key); other tensors pass."""
+        m = _QKV_ROWS_RE.match(key)
+        gdn = self.linear_layers.get(int(m.group(1))) if m else None
+        if gdn is None:
+            return t
+        if t.shape[0] != 2 * gdn.num_k_heads * gdn.head_k_dim + gdn.num_v_heads * gdn.head_v_dim:
+            return t  # a wrong shape: left for the key/shape check to report with the file's key
+        return GatedDeltaNet.qkv_rows_to_hf(gdn, t) if to_hf else GatedDeltaNet.qkv_rows_from_hf(gdn, t)
 
     # ---- ours -> HF -------------------------------------------------------------------------
     def to_hf(
@@ -68,6 +85,7 @@ class Qwen3_5StateDictAdapter(CheckedStateDictAdapter):
             if key == "lm_head.weight":
                 out[key] = t
                 continue
+            t = self._qkv_rows(key, t, to_hf=True)
             hf_key = self._mixer_to_hf(key).replace(".mlp.shared_experts.", ".mlp.shared_expert.")
             out.update(hf_io.split_experts(hf_key, t, prefix) or {prefix + hf_key: t})
         if not text_only:
@@ -109,7 +127,7 @@ class Qwen3_5StateDictAdapter(CheckedStateDictAdapter):
                 if em:
                     experts.setdefault((int(em.group(1)), em.group(3)), {})[int(em.group(2))] = t
                 else:
-                    result.state_dict[ours] = t
+                    result.state_dict[ours] = self._qkv_rows(ours, t, to_hf=False)
             else:
                 problems.append(f"unexpected: {key}")
         problems += hf_io.fuse_experts(experts, result.state_dict, prefix)

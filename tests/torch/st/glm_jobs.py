@@ -24,6 +24,7 @@ from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.distributed.utils import clip_grad_norm_
 from hyper_parallel.models.glm_image_moe_v2.model import GlmImageMoeModel, glm_image_moe_config
 from hyper_parallel.models.glm_image_moe_v2.parallelize import parallelize_glm_image_moe
+from tests.torch.st.grad_check import whole_grads
 
 VOCAB, CODEBOOK, PLACEHOLDER = 64, 32, 63
 GLOBAL_ROWS, SEQ = 8, 16
@@ -171,7 +172,7 @@ def _train(model, steps: int, pd: ParallelDims | None, *, start: int = 0, opt=No
     dp, dp_rank = (pd.dp, pd.mesh_coordinate("dp")) if pd else (1, 0)
     cp, cp_rank = (pd.cp, pd.mesh_coordinate("cp")) if pd else (1, 0)
     loss_parallel = pd is not None and pd.loss_parallel_enabled
-    losses, norms = [], []
+    losses, norms, first_grads = [], [], {}
     for step in range(start, start + steps):
         rows = global_rows(step)
         per = len(rows) // dp
@@ -183,6 +184,8 @@ def _train(model, steps: int, pd: ParallelDims | None, *, start: int = 0, opt=No
         with CrossEntropyLoss.parallel_context(loss_parallel):
             loss = forward_loss(model, mb, global_token_count(step), loss_fn)
             loss.backward()
+        if step == start:
+            first_grads = whole_grads(model)
         total = loss.detach().clone()
         if pd is not None and pd.dp * pd.cp > 1:
             dist.all_reduce(total, group=pd.mesh("dp_cp").get_group())
@@ -190,7 +193,7 @@ def _train(model, steps: int, pd: ParallelDims | None, *, start: int = 0, opt=No
         opt.step()
         losses.append(total.item())
         norms.append(norm.item())
-    return {"losses": losses, "grad_norms": norms}, opt
+    return {"losses": losses, "grad_norms": norms, "first_grads": first_grads}, opt
 
 
 def reference_job(steps: int) -> dict[str, list[float]]:

@@ -27,6 +27,7 @@ from hyper_parallel.models.qwen3_5_moe_v2.model import Qwen3_5MoeModel, qwen3_5_
 from hyper_parallel.models.qwen3_5_moe_v2.parallelize import parallelize_qwen3_5_moe
 from hyper_parallel.protocols.model import split_output
 from tests.torch.st.glm_jobs import Layout
+from tests.torch.st.grad_check import whole_grads
 
 VOCAB = 64
 GLOBAL_ROWS, SEQ = 8, 16
@@ -97,27 +98,31 @@ def _train(model, steps: int, pd: ParallelDims | None) -> dict[str, list[float]]
     opt = torch.optim.SGD(params, lr=LR, momentum=0.9, foreach=False)
     dp, dp_rank = (pd.dp, pd.mesh_coordinate("dp")) if pd else (1, 0)
     cp, cp_rank = (pd.cp, pd.mesh_coordinate("cp")) if pd else (1, 0)
-    losses, norms = [], []
+    losses, norms, first_grads = [], [], {}
     for step in range(steps):
         rows = global_rows(step)
         per = len(rows) // dp
         # a context-parallel rank takes a chunk of every row; cu_seqlens stay global
         mb = split_batch_for_cp(micro_batch(rows[dp_rank * per : (dp_rank + 1) * per]), cp_rank, cp)
         opt.zero_grad()
-        out = model(
-            mb["input_ids"], position_ids=mb["position_ids"], cu_seqlens=mb["cu_seqlens"], max_seqlen=mb["max_seqlen"]
-        )
-        logits, aux = split_output(out)
-        assert aux is None  # router_aux_loss_coef = 0 (see the module docstring)
-        loss = loss_fn(logits, mb["labels"], num_tokens=global_token_count(step))
-        loss.backward()
+        with CrossEntropyLoss.parallel_context(enabled=pd is not None and pd.loss_parallel_enabled):
+            out = model(
+                mb["input_ids"], position_ids=mb["position_ids"], cu_seqlens=mb["cu_seqlens"],
+                max_seqlen=mb["max_seqlen"],
+            )  # fmt: skip
+            logits, aux = split_output(out)
+            assert aux is None  # router_aux_loss_coef = 0 (see the module docstring)
+            loss = loss_fn(logits, mb["labels"], num_tokens=global_token_count(step))
+            loss.backward()
+        if step == 0:
+            first_grads = whole_grads(model)
         total = loss.detach().clone()
         if pd is not None and pd.dp * pd.cp > 1:
             dist.all_reduce(total, group=pd.mesh("dp_cp").get_group())
         norms.append(clip_grad_norm_(params, MAX_NORM).item())
         opt.step()
         losses.append(total.item())
-    return {"losses": losses, "grad_norms": norms}
+    return {"losses": losses, "grad_norms": norms, "first_grads": first_grads}
 
 
 def reference_job(steps: int) -> dict[str, list[float]]:
@@ -128,7 +133,7 @@ def reference_job(steps: int) -> dict[str, list[float]]:
 
 def layouts_job(layouts: list[Layout], steps: int) -> dict[str, dict[str, Any]]:
     """Train ``steps`` under each of ``layouts`` (all of this launch's world size) in turn; rank 0's
-    losses, grad norms and per-layer mixer call counts (2 per step for a recomputed layer) by layout."""
+    losses, grad norms, first-step gradients and per-layer mixer call counts (2 per step for a recomputed layer) by layout."""
     torch.use_deterministic_algorithms(True)
     out: dict[str, dict[str, Any]] = {}
     for layout in layouts:

@@ -30,6 +30,7 @@ from hyper_parallel.models.qwen3_vl_moe_v2.model import Qwen3VlMoeModel, qwen3_v
 from hyper_parallel.models.qwen3_vl_moe_v2.parallelize import parallelize_qwen3_vl_moe
 from hyper_parallel.protocols.model import split_output
 from tests.torch.st.glm_jobs import Layout
+from tests.torch.st.grad_check import whole_grads
 
 VOCAB, IMG, VS, VE = 64, 61, 62, 63
 PATCH, MERGE = 4, 2
@@ -116,7 +117,7 @@ def _train(model, steps: int, pd: ParallelDims | None) -> dict[str, Any]:
     opt = torch.optim.SGD(params, lr=LR, momentum=0.9, foreach=False)
     dp, dp_rank = (pd.dp, pd.mesh_coordinate("dp")) if pd else (1, 0)
     cp, cp_rank = (pd.cp, pd.mesh_coordinate("cp")) if pd else (1, 0)
-    losses, norms = [], []
+    losses, norms, first_grads = [], [], {}
     for step in range(steps):
         rows = global_rows(step)
         per = len(rows) // dp
@@ -128,13 +129,15 @@ def _train(model, steps: int, pd: ParallelDims | None) -> dict[str, Any]:
         with CrossEntropyLoss.parallel_context(enabled=pd is not None and pd.loss_parallel_enabled):
             loss = _forward_loss(model, mb, global_token_count(step), loss_fn)
             loss.backward()
+        if step == 0:
+            first_grads = whole_grads(model)
         total = loss.detach().clone()
         if pd is not None and pd.dp * pd.cp > 1:
             dist.all_reduce(total, group=pd.mesh("dp_cp").get_group())
         norms.append(clip_grad_norm_(params, MAX_NORM).item())
         opt.step()
         losses.append(total.item())
-    return {"losses": losses, "grad_norms": norms}
+    return {"losses": losses, "grad_norms": norms, "first_grads": first_grads}
 
 
 def _forward_loss(model, mb: dict[str, Any], num_tokens: int, loss_fn) -> torch.Tensor:

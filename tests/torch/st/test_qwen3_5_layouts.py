@@ -1,8 +1,9 @@
 """Every supported parallel layout of a tiny Qwen3.5-MoE (hybrid DeltaNet / gated attention, packed
-documents) reproduces the single-process run (fp32, gloo): step-1 |dloss| <= 1e-5, all 10 steps <= 1e-4,
-clipped gradient norm within 1e-4 relative. Layouts of one world size share one launch (``qwen3_5_jobs``).
-Ulysses CP splits the DeltaNet heads around ``delta_rule``; TP is rejected for DeltaNet models by
-``validate_qwen3_5_layout`` (tested in ``test_qwen3_5_moe_model.py``).
+documents) reproduces the single-process run (fp32, gloo): every first-step parameter gradient within
+1e-5 (relative to its largest entry), step-1 |dloss| <= 1e-5, all 10 steps <= 1e-4, clipped gradient norm
+within 1e-4 relative. Layouts of one world size share one launch (``qwen3_5_jobs``).
+Ulysses CP splits the DeltaNet heads around ``delta_rule``; TP shards them (grouped ``in_proj_qkv`` rows,
+per-head ``dt_bias``/``A_log``) and the gated attention's heads.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.torch.st.glm_jobs import Layout
+from tests.torch.st.grad_check import assert_grads_match
 from tests.torch.st.qwen3_5_jobs import layouts_job, reference_job
 
 pytestmark = pytest.mark.slow
@@ -23,12 +25,15 @@ LAUNCHES = {
         Layout(world=4, ep=4),  # EP 4 over FSDP 4 (two experts per rank)
         Layout(world=4, ep=2),  # EP 2 with FSDP 4 (experts FSDP-sharded over efsdp = 2)
         Layout(world=4, dp_shard=2, cp=2, ep=2),  # FSDP 2 x CP 2 with EP 2 (ep borrows from dp_shard x cp)
+        Layout(world=4, dp_shard=2, tp=2),  # FSDP 2 x TP 2 (+ sequence parallel)
     ],
     2: [
         Layout(world=2, ep=2),  # EP 2 (experts whole on each rank)
         Layout(world=2, ac="full"),  # FSDP 2, every layer recomputed
         Layout(world=2, ac="selective"),  # FSDP 2, layers 0 and 2 recomputed
         Layout(world=2, cp=2),  # Ulysses CP 2 (DeltaNet heads split around delta_rule)
+        Layout(world=2, tp=2),  # TP 2 + sequence parallel, loss parallel
+        Layout(world=2, tp=2, sp=False, loss_parallel=False),  # TP 2 alone
     ],
 }
 LAYOUTS = [layout for layouts in LAUNCHES.values() for layout in layouts]
@@ -54,6 +59,7 @@ def test_layout_matches_single_process(reference, results, layout):
     dnorm = [abs(a - b) / b for a, b in zip(out["grad_norms"], reference["grad_norms"], strict=True)]
     print(f"\n{layout} ({out['parallel_dims']}): step-1 |dloss| {dloss[0]:.2e}, max |dloss| {max(dloss):.2e}, "
           f"grad-norm rel {max(dnorm):.2e}")  # fmt: skip
+    print("  " + assert_grads_match(out["first_grads"], reference["first_grads"]))
     assert dloss[0] <= 1e-5, dloss
     assert max(dloss) <= 1e-4, dloss
     assert max(dnorm) <= 1e-4, dnorm

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.torch.st.glm_jobs import Layout
+from tests.torch.st.grad_check import assert_grads_match
 from tests.torch.st.qwen3_vl_jobs import layouts_job, reference_job
 
 pytestmark = pytest.mark.slow
@@ -57,6 +58,7 @@ def test_layout_matches_single_process(references, results, case):
     dnorm = [abs(a - b) / b for a, b in zip(out["grad_norms"], reference["grad_norms"], strict=True)]
     print(f"\n{_name(case)} ({out['parallel_dims']}): step-1 |dloss| {dloss[0]:.2e}, max |dloss| {max(dloss):.2e}, "
           f"grad-norm rel {max(dnorm):.2e}")  # fmt: skip
+    print("  " + assert_grads_match(out["first_grads"], reference["first_grads"]))
     assert dloss[0] <= 1e-5, dloss
     assert max(dloss) <= 1e-4, dloss
     assert max(dnorm) <= 1e-4, dnorm

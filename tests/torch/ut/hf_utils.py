@@ -10,6 +10,8 @@ Stable API (other test files import it):
   HF config to the ``MoE.Config`` of sparse layers).
 - ``load_from_hf_(ours, hf_module, strip="")``: copy HF parameters/buffers into ours (same names).
 - ``max_grad_diff(ours, hf_module, strip="")``: max abs diff over every parameter gradient.
+- ``hf_row_order(ours, name, t)`` / ``our_row_order(ours, name, t)``: the one tensor whose layout differs
+  under the same name (Gated DeltaNet's grouped ``in_proj_qkv``/``conv1d`` rows) in HF's / our order.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from hyper_parallel.models.common.block import TransformerBlock
 from hyper_parallel.models.common.decoder import Decoder
 from hyper_parallel.models.common.embedding import Embedding
 from hyper_parallel.models.common.feed_forward import FeedForward
+from hyper_parallel.models.common.gated_deltanet import GatedDeltaNet
 from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.mla import MLAttention
 from hyper_parallel.models.common.moe import GroupedExperts, MoE, Router
@@ -179,9 +182,30 @@ def _hf_state(hf: nn.Module, strip: str) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
+def _grouped_qkv_owner(ours: nn.Module, name: str) -> GatedDeltaNet | None:
+    parts = name.split(".")
+    if parts[-2:] not in (["in_proj_qkv", "weight"], ["conv1d", "weight"]):
+        return None
+    owner = ours.get_submodule(".".join(parts[:-2]))
+    return owner if isinstance(owner, GatedDeltaNet) else None
+
+
+def hf_row_order(ours: nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (ours' tensor ``name``, e.g. its gradient) in HF's row order (changes DeltaNet's q/k/v rows only)."""
+    owner = _grouped_qkv_owner(ours, name)
+    return GatedDeltaNet.qkv_rows_to_hf(owner.config, t) if owner is not None else t
+
+
+def our_row_order(ours: nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
+    """HF's tensor for ours' ``name`` in our row order (the inverse of ``hf_row_order``)."""
+    owner = _grouped_qkv_owner(ours, name)
+    return GatedDeltaNet.qkv_rows_from_hf(owner.config, t) if owner is not None else t
+
+
 def load_from_hf_(ours: nn.Module, hf: nn.Module, strip: str = "") -> nn.Module:
     """Copy HF's state dict into ours; names must match exactly after removing ``strip`` (strict)."""
-    ours.load_state_dict(_hf_state(hf, strip), strict=True)
+    state = {k: our_row_order(ours, k, v) for k, v in _hf_state(hf, strip).items()}
+    ours.load_state_dict(state, strict=True)
     return ours
 
 
@@ -195,7 +219,7 @@ def max_grad_diff(ours: nn.Module, hf: nn.Module, strip: str = "") -> float:
             assert mine[name].grad is None, f"{name}: ours has a gradient, HF has none"
             continue
         assert mine[name].grad is not None, f"{name}: HF has a gradient, ours has none"
-        worst = max(worst, (mine[name].grad - p.grad).abs().max().item())
+        worst = max(worst, (hf_row_order(ours, name, mine[name].grad) - p.grad).abs().max().item())
     return worst
 
 

@@ -18,7 +18,7 @@ from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.moe import GroupedExperts, MoE, Router
 from hyper_parallel.models.common.qwen3_5_norm import GatedRMSNorm, Qwen3_5RMSNorm
 from hyper_parallel.models.common.rope import RoPE
-from tests.torch.ut.hf_utils import max_grad_diff, randomize_
+from tests.torch.ut.hf_utils import load_from_hf_, max_grad_diff, randomize_
 
 TOL = 1e-5
 H = 32  # hidden size of every tiny config
@@ -105,7 +105,7 @@ def _gdn_pair(seed: int = 0, chunk_size: int = 64, **kw) -> tuple[hf_mod.Qwen3_5
         norm=GatedRMSNorm.Config(eps=cfg.rms_norm_eps),
         delta_rule=GatedDeltaRule.Config(chunk_size=chunk_size),
     ).build(dim=H)  # fmt: skip
-    ours.load_state_dict(hf.state_dict())
+    load_from_hf_(ours, hf)  # HF's [Q | K | V] rows -> our grouped order
     return hf, ours
 
 

@@ -245,5 +245,7 @@ def test_layout_checks_name_the_option_to_change():
     tp = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, ep=1, world_size=2, enable_sequence_parallel=False)
     validate_qwen3_vl_moe_layout(cfg, tp)
     qwen3_5 = config_from_hf(_qwen3_5_moe_hf().config.to_dict())
-    with pytest.raises(ConfigError, match="tensor_parallel_degree"):  # DeltaNet layers have no TP yet
-        validate_qwen3_vl_moe_layout(qwen3_5, tp)
+    validate_qwen3_vl_moe_layout(qwen3_5, tp)  # TP shards the DeltaNet heads (Hk 2, Hv 4)
+    tp4 = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=4, ep=1, world_size=4, enable_sequence_parallel=False)
+    with pytest.raises(ConfigError, match="linear_num_key_heads"):
+        validate_qwen3_vl_moe_layout(qwen3_5, tp4)
