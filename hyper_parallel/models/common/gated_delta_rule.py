@@ -45,56 +45,128 @@ def document_bounds(cu_seqlens: torch.Tensor | list[int] | None, batch: int, seq
     return cu
 
 
-class _CausalDepthwiseConv(torch.autograd.Function):
-    """Causal depthwise conv on token-major ``x [B, T, C]`` with ``w [C, K]``:
-    ``y[:, t] = sum_j w[:, j] * x[:, t - K + 1 + j]`` (zeros before the start), ``y [B, T, C]``.
+def _boundary_windows(cu: list[int], K: int, *, at_start: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The rows next to document boundaries that the full-stream shifted sums get wrong, with their windows.
 
-    Forward: HF's exact call, ``F.conv1d(x^T, padding=K-1)[..., :T]`` (bitwise the same sums). Backward: K
-    shifted multiply-adds (on CPU the depthwise ``convolution_backward`` is several times slower).
+    ``at_start``: row ``a + i`` (``i < K-1``) of every document after the first (the forward reads back
+    into the previous document); else row ``b - 1 - i`` of every document before the last (the input
+    gradient reads ahead into the next one). Returns ``rows [R]``, ``src [R, K]`` (the source row of tap
+    ``j``: ``t - (K-1-j)``, or ``t + (K-1-j)`` for the gradient) and ``valid [R, K]`` (the source is in
+    ``t``'s document).
+    """
+    cu_t = torch.tensor(cu, dtype=torch.long, device=device)
+    starts, ends = (cu_t[1:-1], cu_t[2:]) if at_start else (cu_t[:-2], cu_t[1:-1])
+    i = torch.arange(K - 1, device=device)
+    keep = i[None, :] < (ends - starts)[:, None]  # [D, K-1]: documents shorter than K-1 have fewer rows
+    rows = (starts[:, None] + i if at_start else ends[:, None] - 1 - i)[keep]
+    shift = K - 1 - torch.arange(K, device=device)  # tap j reads shift K-1-j away
+    src = rows[:, None] - shift if at_start else rows[:, None] + shift
+    lo, hi = (starts[:, None].expand_as(keep)[keep], rows) if at_start else (rows, ends[:, None].expand_as(keep)[keep])
+    valid = (src >= lo[:, None]) & (src < hi[:, None] + 1) if at_start else (src >= lo[:, None]) & (src < hi[:, None])
+    return rows, src.clamp(0, cu[-1] - 1), valid
+
+
+def _crossing_rows(cu: list[int], s: int, *, device: torch.device) -> torch.Tensor:
+    """Rows ``t`` whose source ``t - s`` lies before ``t``'s document start (documents after the first)."""
+    cu_t = torch.tensor(cu, dtype=torch.long, device=device)
+    starts, ends = cu_t[1:-1], cu_t[2:]
+    i = torch.arange(s, device=device)
+    t = starts[:, None] + i
+    return t[(t < ends[:, None]) & (t - s >= cu[0])]
+
+
+def _shifted_sum(x_NC: torch.Tensor, w_CK: torch.Tensor, *, backward: bool) -> torch.Tensor:
+    """``y[t] = sum_s w[:, K-1-s] * x[t-s]`` (or ``x[t+s]`` when ``backward``) over the flat stream, as K
+    fused multiply-adds on channel-last rows (memory-bound: no transposes, no padded copy). The farthest
+    tap goes first, as in ``F.conv1d``: the forward is bitwise HF's conv on the rows inside a document."""
+    N, K = x_NC.shape[0], w_CK.shape[-1]
+    y = torch.empty_like(x_NC)
+    s0 = min(K - 1, N)  # the farthest shift that has a source row
+    head, tail = (slice(N - s0, N), slice(0, N - s0)) if backward else (slice(0, s0), slice(s0, N))
+    y[head] = 0
+    torch.mul(x_NC[s0:] if backward else x_NC[: N - s0], w_CK[:, K - 1 - s0], out=y[tail])
+    for s in range(s0 - 1, -1, -1):
+        if backward:
+            y[: N - s].addcmul_(x_NC[s:], w_CK[:, K - 1 - s])
+        else:
+            y[s:].addcmul_(x_NC[: N - s], w_CK[:, K - 1 - s])
+    return y
+
+
+def _fix_rows(y_NC: torch.Tensor, x_NC: torch.Tensor, w_CK: torch.Tensor, windows: tuple[torch.Tensor, ...]) -> None:
+    """Recompute the rows of ``windows`` from their in-document terms only (out-of-document taps read
+    zeros), in ``_shifted_sum``'s order: exact, nothing leaks across a boundary."""
+    rows, src, valid = windows
+    if not rows.numel():
+        return
+    R, K = src.shape
+    x_RKC = x_NC.index_select(0, src.flatten()).view(R, K, -1) * valid.unsqueeze(-1).to(x_NC.dtype)
+    fixed = x_NC.new_zeros(R, x_NC.shape[1])
+    for j in range(K):
+        fixed.addcmul_(x_RKC[:, j], w_CK[:, j])
+    y_NC.index_copy_(0, rows, fixed)
+
+
+def _conv_forward(x_BTC: torch.Tensor, w_CK: torch.Tensor, cu: list[int]) -> torch.Tensor:
+    """Pre-activation causal conv per document, by HF's exact call (``F.conv1d``, its rounding): one row per
+    document as is, packed documents each behind ``K - 1`` zeros of a padded stream."""
+    B, T, C = x_BTC.shape
+    K = w_CK.shape[-1]
+    if len(cu) == B + 1:  # one document per row
+        return F.conv1d(x_BTC.transpose(1, 2), w_CK.unsqueeze(1), padding=K - 1, groups=C)[..., :T].transpose(1, 2)
+    cu_t = torch.tensor(cu, device=x_BTC.device)
+    tok = torch.arange(B * T, device=x_BTC.device)
+    pos = tok + (torch.searchsorted(cu_t[1:], tok, right=True) + 1) * (K - 1)  # K-1 zeros before every document
+    padded = x_BTC.new_zeros(B * T + (len(cu) - 1) * (K - 1), C).index_copy(0, pos, x_BTC.reshape(B * T, C))
+    y = F.conv1d(padded.t().unsqueeze(0), w_CK.unsqueeze(1), padding=K - 1, groups=C)[0, :, : padded.shape[0]]
+    return y.t().index_select(0, pos).view(B, T, C)
+
+
+class _CausalConvSiLU(torch.autograd.Function):
+    """``silu(causal depthwise conv)`` per document of ``x [B, T, C]`` with ``w [C, K]``:
+    ``y[t] = sum_j w[:, j] * x[t - K + 1 + j]`` over rows of ``t``'s own document (zeros before its start).
+
+    Forward: HF's call (``_conv_forward``), in the weight's dtype, returned in ``x``'s dtype. Backward:
+    shifted multiply-adds over the flat channel-last stream (on CPU several times faster than the
+    depthwise ``convolution_backward`` and its transposes); the rows next to a document boundary are
+    recomputed from in-document terms and cross-document weight terms are zeroed, so packed documents
+    stay exactly "each run alone".
     """
 
     @staticmethod
-    def forward(ctx, x_BTC: torch.Tensor, w_CK: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        ctx.save_for_backward(x_BTC, w_CK)
-        K, T = w_CK.shape[-1], x_BTC.shape[1]
-        y = F.conv1d(x_BTC.transpose(1, 2).to(w_CK.dtype), w_CK.unsqueeze(1), padding=K - 1, groups=w_CK.shape[0])
-        return y[..., :T].transpose(1, 2)
+    def forward(ctx, x_BTC: torch.Tensor, w_CK: torch.Tensor, cu: list[int]) -> torch.Tensor:  # noqa: D102
+        x = x_BTC.to(w_CK.dtype)
+        y = _conv_forward(x, w_CK, cu)
+        ctx.save_for_backward(x, w_CK, y)
+        ctx.cu, ctx.in_dtype = cu, x_BTC.dtype
+        return F.silu(y).to(x_BTC.dtype)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: D102
-        x, w = ctx.saved_tensors
-        K, T = w.shape[-1], x.shape[1]
-        g = grad.float()
-        x_pad = F.pad(x.float(), (0, 0, K - 1, 0))
-        grad_x = torch.zeros(x_pad.shape, dtype=torch.float32, device=x.device)
-        grad_w = torch.empty(w.shape, dtype=torch.float32, device=w.device)
-        for j in range(K):  # tap j reads x_pad[:, t + j] for output t
-            grad_x[:, j : j + T] += g * w[:, j].float()
-            grad_w[:, j] = (g * x_pad[:, j : j + T]).sum(dim=(0, 1))
-        return grad_x[:, K - 1 :].to(x.dtype), grad_w.to(w.dtype)
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # noqa: D102
+        x_BTC, w, y = ctx.saved_tensors
+        B, T, C = x_BTC.shape
+        K, cu = w.shape[-1], ctx.cu
+        g = torch.ops.aten.silu_backward(grad.to(w.dtype), y).reshape(B * T, C).contiguous()
+        x = x_BTC.reshape(B * T, C)
+        grad_x = _shifted_sum(g, w, backward=True)  # x[u] fed y[u + s] with tap K-1-s
+        _fix_rows(grad_x, g, w, _boundary_windows(cu, K, at_start=False, device=x.device))
+        grad_w = torch.empty_like(w)
+        for s in range(K):  # tap K-1-s pairs y[t] with x[t - s]; cross-document pairs are zeroed, not summed
+            n = x.shape[0] - s
+            if n <= 0:
+                grad_w[:, K - 1 - s] = 0
+                continue
+            prod = g[s:] * x[:n]
+            if s:
+                prod.index_fill_(0, _crossing_rows(cu, s, device=x.device) - s, 0)
+            grad_w[:, K - 1 - s] = prod.sum(0)
+        return grad_x.view(B, T, C).to(ctx.in_dtype), grad_w, None
 
 
 def causal_conv1d_silu(x_BTC: torch.Tensor, weight_CK: torch.Tensor, cu: list[int]) -> torch.Tensor:
-    """``silu(depthwise causal conv)`` per document; ``w[:, K-1]`` multiplies the current token.
-
-    HF numerics: one ``F.conv1d`` in the weight dtype (fp32 accumulation inside the kernel), SiLU in the
-    weight dtype, cast back to ``x``'s dtype. Packed documents get ``K - 1`` zeros in front, as if each ran
-    alone.
-    """
-    B, T, C = x_BTC.shape
-    K = weight_CK.shape[-1]
-    if len(cu) == B + 1:  # one document per row
-        return F.silu(_CausalDepthwiseConv.apply(x_BTC, weight_CK)).to(x_BTC.dtype)
-    n_docs = len(cu) - 1
-    cu_t = torch.tensor(cu, device=x_BTC.device)
-    tok = torch.arange(B * T, device=x_BTC.device)
-    doc = torch.searchsorted(cu_t[1:], tok, right=True)
-    pos = tok + (doc + 1) * (K - 1)  # slot of each token once K-1 zeros precede every document
-    x_NC = x_BTC.reshape(B * T, C)
-    padded = x_NC.new_zeros(B * T + n_docs * (K - 1), C).index_copy(0, pos, x_NC)
-    y = _CausalDepthwiseConv.apply(padded.unsqueeze(0), weight_CK)[0]  # the K-1 zeros restart every document
-    y = F.silu(y).index_select(0, pos)
-    return y.to(x_BTC.dtype).view(B, T, C)
+    """``silu(depthwise causal conv)`` per document of the flat ``B*T`` stream (``cu`` from
+    ``document_bounds``); ``w[:, K-1]`` multiplies the current token. Packed documents are exact."""
+    return _CausalConvSiLU.apply(x_BTC, weight_CK, cu)
 
 
 class _UnitLowerSolve(torch.autograd.Function):
@@ -191,16 +263,34 @@ def chunk_gated_delta_rule(
     """
     B, T, Hk, Dk = k_BTHD.shape
     Hv, Dv = v_BTHD.shape[-2:]
+    grouped = torch.cat([q_BTHD, k_BTHD, v_BTHD.reshape(B, T, Hk, -1)], dim=-1)  # [B, T, Hk, 2Dk + r*Dv]
+    return _chunk_rule(grouped.reshape(B, T, -1), g_BTH, beta_BTH, Hk=Hk, Dk=Dk, Dv=Dv, cu=cu, chunk_size=chunk_size,
+                       out_dtype=q_BTHD.dtype)  # fmt: skip
+
+
+def _chunk_rule(
+    qkv_BTC: torch.Tensor,
+    g_BTH: torch.Tensor,
+    beta_BTH: torch.Tensor,
+    *,
+    Hk: int,
+    Dk: int,
+    Dv: int,
+    cu: list[int],
+    chunk_size: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``chunk_gated_delta_rule`` on q/k/v grouped by key head: ``qkv [B, T, Hk * (2Dk + r*Dv)]`` with rows
+    ``[q_j | k_j | v_{j*r} .. v_{j*r+r-1}]`` per key head ``j`` (what ``GatedDeltaNet``'s conv hands on)."""
+    B, T, C = qkv_BTC.shape
+    Hv = g_BTH.shape[-1]
+    r = Hv // Hk
     L = chunk_size
-    out_dtype = q_BTHD.dtype
     lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
     n_docs = len(lengths)
     # One fp32 tensor with every per-token input, laid out in chunks [N, L, F] in step-major order (chunk j
     # of every document that has one, documents sorted by length); padding slots are zeros.
-    x_BTF = torch.cat(
-        [q_BTHD.reshape(B, T, -1), k_BTHD.reshape(B, T, -1), v_BTHD.reshape(B, T, -1), g_BTH, beta_BTH.to(g_BTH.dtype)],
-        dim=-1,
-    ).float()
+    x_BTF = torch.cat([qkv_BTC, g_BTH, beta_BTH.to(g_BTH.dtype)], dim=-1).float()  # g stays fp32
     width = x_BTF.shape[-1]
     if len(set(lengths)) == 1:  # equal documents (plain rows): a reshape, no gather
         n = lengths[0]
@@ -214,12 +304,12 @@ def chunk_gated_delta_rule(
         flat = torch.cat([x_BTF.reshape(B * T, width), x_BTF.new_zeros(1, width)])
         x_NLF = flat.index_select(0, plan.gather_NL.reshape(-1)).view(*plan.gather_NL.shape, width)
         docs_per_step = plan.docs_per_step
-    q, k, v, g, beta = x_NLF.split([Hk * Dk, Hk * Dk, Hv * Dv, Hv, Hv], dim=-1)
+    qkv, g, beta = x_NLF.split([C, Hv, Hv], dim=-1)
+    q, k, v = qkv.reshape(-1, L, Hk, 2 * Dk + r * Dv).split([Dk, Dk, r * Dv], dim=-1)
 
-    r = Hv // Hk
     # [N, H, L, d]; value head h reads key head h // r (block grouping)
-    q = (_l2norm(q.reshape(-1, L, Hk, Dk)) * Dk**-0.5).repeat_interleave(r, dim=2).transpose(1, 2)
-    k = _l2norm(k.reshape(-1, L, Hk, Dk)).repeat_interleave(r, dim=2).transpose(1, 2)
+    q = (_l2norm(q) * Dk**-0.5).repeat_interleave(r, dim=2).transpose(1, 2)
+    k = _l2norm(k).repeat_interleave(r, dim=2).transpose(1, 2)
     v = v.reshape(-1, L, Hv, Dv).transpose(1, 2)
     g, beta = g.transpose(1, 2), beta.transpose(1, 2)  # [N, Hv, L]
 
@@ -261,67 +351,58 @@ def chunk_gated_delta_rule(
 class GatedDeltaRule(Module):
     """The sequence core of Gated DeltaNet: causal conv + SiLU, then the chunked gated delta rule.
 
-    ``forward(q, k, v, g, beta, *, conv_weight, meta) -> o [B, T, Hv, Dv]`` with PRE-conv q/k
-    ``[B, T, Hk, Dk]``, v ``[B, T, Hv, Dv]``, fp32 log decay g and beta ``[B, T, Hv]``, and
-    ``conv_weight [C, K]`` whose rows are ``[Q | K | V]`` head-major for exactly the heads given (the
-    local ones under tensor or context parallel). Parameter-free: everything that needs whole
-    sequences is here, so context parallel wraps this module (all-to-all from a sequence chunk with all
-    heads to whole sequences with a head chunk, and ``conv_weight_for_heads`` for the weight rows).
+    ``forward(qkv, g, beta, *, conv_weight, meta) -> o [B, T, Hv, Dv]`` with PRE-conv ``qkv [B, T, Hk,
+    2*Dk + r*Dv]`` grouped by key head (``[q_j | k_j | v_{j*r} .. v_{j*r+r-1}]``, ``r = Hv / Hk``), fp32
+    log decay g and beta ``[B, T, Hv]``, and ``conv_weight [C, K]`` with rows in the same grouped order,
+    for exactly the heads given (the local ones under tensor or context parallel). Parameter-free:
+    everything that needs whole sequences is here, so context parallel wraps this module (all-to-all from
+    a sequence chunk with all heads to whole sequences with a chunk of key-head groups, whose conv rows
+    are one contiguous block).
     """
 
-    cp_head_split_inputs: ClassVar[int] = 5
-    """Context parallel splits q, k, v, g, beta (token-major ``[B, T, H, ...]``) by heads (``context_parallel``)."""
+    cp_head_split_inputs: ClassVar[int] = 3
+    """Context parallel splits qkv (by key-head group), g and beta (by value head), all token-major ``[B, T,
+    H, ...]`` (``context_parallel``)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
         chunk_size: int = 64
         """Tokens per chunk of the chunked form (HF: 64); results agree to fp32 rounding for any value."""
 
+    def __init__(self, config: Config, *, head_k_dim: int, head_v_dim: int) -> None:
+        super().__init__(config)
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+
     def forward(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        qkv: torch.Tensor,
         g: torch.Tensor,
         beta: torch.Tensor,
         *,
         conv_weight: torch.Tensor,
         meta: AttentionMeta | None = None,
     ) -> torch.Tensor:
-        B, T, Hk, Dk = k.shape
-        Hv, Dv = v.shape[-2:]
-        if Hv % Hk:
-            raise ValueError(f"value heads ({Hv}) must be a multiple of key heads ({Hk})")
+        B, T, Hk, G = qkv.shape
+        Hv = g.shape[-1]
+        dk, dv = self.head_k_dim, self.head_v_dim
+        if Hv % Hk or G != 2 * dk + Hv // Hk * dv:
+            raise ValueError(
+                f"GatedDeltaRule: qkv groups of {G} channels do not hold 2 x {dk} key + {Hv // Hk} x {dv} value "
+                f"channels for {Hk} key heads and {Hv} value heads"
+            )
         cu = document_bounds(meta.cu_seqlens if meta is not None else None, B, T)
-        qkv = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
-        qkv = causal_conv1d_silu(qkv, conv_weight, cu)
-        q, k, v = qkv.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
-        return chunk_gated_delta_rule(
-            q.view(B, T, Hk, Dk), k.view(B, T, Hk, Dk), v.view(B, T, Hv, Dv), g, beta,
-            cu=cu, chunk_size=self.config.chunk_size,
-        )  # fmt: skip
+        qkv = causal_conv1d_silu(qkv.reshape(B, T, Hk * G), conv_weight, cu)
+        o = _chunk_rule(qkv, g, beta, Hk=Hk, Dk=dk, Dv=dv, cu=cu, chunk_size=self.config.chunk_size,
+                        out_dtype=qkv.dtype)  # fmt: skip
+        return o
 
     def cp_local_kwargs(self, args: tuple, kwargs: dict, *, rank: int, world: int) -> dict:
-        """Context parallel: the conv weight rows of head chunk ``rank`` (``args`` hold every head)."""
-        q, _, v = args[:3]
-        weight = self.conv_weight_for_heads(
-            kwargs["conv_weight"], head_k_dim=q.shape[-1], head_v_dim=v.shape[-1], n_k_heads=q.shape[2], rank=rank,
-            world=world,
-        )  # fmt: skip
-        return {**kwargs, "conv_weight": weight}
+        """Context parallel: the conv weight rows of key-head chunk ``rank`` (``args`` hold every head);
+        grouped rows make them one contiguous block."""
+        n_k = args[0].shape[2]
+        if n_k % world:
+            raise ValueError(f"{n_k} key heads do not divide into {world} context-parallel chunks")
+        return {**kwargs, "conv_weight": kwargs["conv_weight"].chunk(world)[rank]}
 
-    @staticmethod
-    def conv_weight_for_heads(
-        conv_weight: torch.Tensor, *, head_k_dim: int, head_v_dim: int, n_k_heads: int, rank: int, world: int
-    ) -> torch.Tensor:
-        """Rows of ``conv_weight [C, K]`` (``[Q | K | V]`` head-major, ``n_k_heads`` key heads) that belong to
-        head chunk ``rank`` of ``world`` equal chunks, in the same segment order (what context parallel hands
-        the core after its all-to-all)."""
-        key_dim = n_k_heads * head_k_dim
-        value_dim = conv_weight.shape[0] - 2 * key_dim
-        if n_k_heads % world or value_dim % (world * head_v_dim):
-            raise ValueError(
-                f"{n_k_heads} key heads and {value_dim // head_v_dim} value heads must both divide into {world} chunks"
-            )
-        wq, wk, wv = conv_weight.split([key_dim, key_dim, value_dim])
-        return torch.cat([w.chunk(world)[rank] for w in (wq, wk, wv)])
+    def extra_repr(self) -> str:
+        return f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, chunk_size={self.config.chunk_size}"

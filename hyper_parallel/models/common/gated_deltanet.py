@@ -6,7 +6,7 @@ LOCAL under tensor parallel: they are read off the projections' outputs).
     qkv = in_proj_qkv(x)           rows grouped by key head (see below)
     z   = in_proj_z(x)             [B, T, Hv, Dv]
     beta = sigmoid(in_proj_b(x))   model dtype;   g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias)  fp32
-    o   = delta_rule(q, k, v, g, beta)   (causal depthwise conv + SiLU, then the gated delta rule)
+    o   = delta_rule(qkv, g, beta)   (causal depthwise conv + SiLU, then the gated delta rule)
     out = out_proj(norm(o, z))     (GatedRMSNorm per value head)
 
 Packed documents are exact: the conv window and the recurrent state restart at every ``cu_seqlens``
@@ -120,7 +120,7 @@ class GatedDeltaNet(TokenMixer):
         self.A_log = nn.Parameter(torch.empty(c.num_v_heads))
         self.norm = c.norm.build(dim=c.head_v_dim)
         self.out_proj = c.out_proj.build(in_features=self.value_dim, out_features=dim)
-        self.delta_rule = c.delta_rule.build()
+        self.delta_rule = c.delta_rule.build(head_k_dim=c.head_k_dim, head_v_dim=c.head_v_dim)
 
     @torch.no_grad()
     def init_own_weights(self) -> None:
@@ -150,15 +150,14 @@ class GatedDeltaNet(TokenMixer):
         b = self.in_proj_b(x_BTD)
         n_v = b.shape[-1]  # local value heads (tensor parallel shards heads)
         n_k = n_v // r
-        # Grouped rows (module docstring): [q_j | k_j | v_j*r .. v_j*r+r-1] per local key head j.
-        q, k, v = self.in_proj_qkv(x_BTD).view(B, T, n_k, 2 * dk + r * dv).split([dk, dk, r * dv], -1)
+        # Grouped rows (module docstring): [q_j | k_j | v_j*r .. v_j*r+r-1] per local key head j; the core
+        # convolves them in this order (depthwise: any channel order) and splits q/k/v itself.
+        qkv = self.in_proj_qkv(x_BTD).view(B, T, n_k, 2 * dk + r * dv)
         z = self.in_proj_z(x_BTD).view(B, T, n_v, dv)
         beta = b.sigmoid()
         g = -_local(self.A_log).float().exp() * F.softplus(self.in_proj_a(x_BTD).float() + _local(self.dt_bias))
-        # The core takes the conv rows as [Q | K | V] of the heads it is given.
-        w_q, w_k, w_v = _local(self.conv1d.weight).view(n_k, 2 * dk + r * dv, -1).split([dk, dk, r * dv], 1)
-        conv_weight = torch.cat([w.reshape(-1, w.shape[-1]) for w in (w_q, w_k, w_v)])
-        o = self.delta_rule(q, k, v.reshape(B, T, n_v, dv), g, beta, conv_weight=conv_weight, meta=meta)
+        conv_weight = _local(self.conv1d.weight).squeeze(1)
+        o = self.delta_rule(qkv, g, beta, conv_weight=conv_weight, meta=meta)
         o = self.norm(o, z)
         return self.out_proj(o.reshape(B, T, -1))
 

@@ -181,12 +181,48 @@ def test_gated_deltanet_init_matches_hf_ranges():
     assert torch.equal(ours.norm.weight.detach(), torch.ones(8))
 
 
-def test_conv_weight_for_heads_takes_each_segment_chunk():
+def test_cp_takes_one_contiguous_block_of_grouped_conv_rows():
     Hk, Dk, Hv, Dv, K = 2, 3, 4, 2, 4
-    w = torch.arange((2 * Hk * Dk + Hv * Dv) * K, dtype=torch.float32).view(-1, K)
-    part = GatedDeltaRule.conv_weight_for_heads(w, head_k_dim=Dk, head_v_dim=Dv, n_k_heads=Hk, rank=1, world=2)
-    want = torch.cat([w[3:6], w[9:12], w[16:20]])
-    assert torch.equal(part, want)
+    G = 2 * Dk + Hv // Hk * Dv
+    w = torch.arange(Hk * G * K, dtype=torch.float32).view(-1, K)
+    rule = GatedDeltaRule.Config().build(head_k_dim=Dk, head_v_dim=Dv)
+    qkv = torch.zeros(1, 5, Hk, G)
+    part = rule.cp_local_kwargs((qkv,), {"conv_weight": w}, rank=1, world=2)["conv_weight"]
+    assert torch.equal(part, w[G:])  # key-head group 1 = its q, k and both value heads' rows
+
+
+@pytest.mark.parametrize("docs", [[9, 1, 2, 30, 3], [45]])
+def test_causal_conv_is_exact_per_document_with_gradients(docs):
+    """Packed stream == each document convolved alone by F.conv1d (HF's call), values and both gradients;
+    another document's content never reaches a row (bitwise)."""
+    import torch.nn.functional as F
+
+    from hyper_parallel.models.common.gated_delta_rule import causal_conv1d_silu
+
+    C, K = 6, 4
+    cu = [0, *torch.tensor(docs).cumsum(0).tolist()]
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, cu[-1], C, generator=gen, requires_grad=True)
+    w = torch.randn(C, K, generator=gen, requires_grad=True)
+    grad = torch.randn(1, cu[-1], C, generator=gen)
+    y = causal_conv1d_silu(x, w, cu)
+    y.backward(grad)
+    x_ref, w_ref = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    parts = [
+        F.silu(F.conv1d(x_ref[:, a:b].transpose(1, 2), w_ref.unsqueeze(1), padding=K - 1, groups=C)[..., : b - a])
+        for a, b in zip(cu[:-1], cu[1:])
+    ]
+    ref = torch.cat(parts, dim=-1).transpose(1, 2)
+    ref.backward(grad)
+    assert (y - ref).abs().max().item() <= 1e-6
+    assert (x.grad - x_ref.grad).abs().max().item() <= 1e-6
+    assert (w.grad - w_ref.grad).abs().max().item() <= 1e-5
+    if len(docs) > 1:  # change every other document: the third document's rows stay bit-identical
+        x2 = x.detach().clone()
+        a, b = cu[2], cu[3]
+        x2[:, :a] = torch.randn(1, a, C, generator=gen)
+        x2[:, b:] = torch.randn(1, cu[-1] - b, C, generator=gen)
+        assert torch.equal(causal_conv1d_silu(x2, w.detach(), cu)[:, a:b], y.detach()[:, a:b])
 
 
 # ---- gated attention + M-RoPE --------------------------------------------------------------------
