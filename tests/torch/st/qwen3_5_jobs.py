@@ -25,6 +25,8 @@ from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.distributed.utils import clip_grad_norm_
 from hyper_parallel.models.qwen3_5_moe_v2.model import Qwen3_5MoeModel, qwen3_5_moe_config
 from hyper_parallel.models.qwen3_5_moe_v2.parallelize import parallelize_qwen3_5_moe
+from hyper_parallel.models.qwen3_5_v2.model import Qwen3_5Model, qwen3_5_config
+from hyper_parallel.models.qwen3_5_v2.parallelize import parallelize_qwen3_5
 from hyper_parallel.protocols.model import split_output
 from tests.torch.st.glm_jobs import Layout
 from tests.torch.st.grad_check import whole_grads
@@ -46,10 +48,21 @@ def tiny_config(**overrides: Any) -> Qwen3_5MoeModel.Config:
     return qwen3_5_moe_config(**kwargs)
 
 
-def build_model() -> Qwen3_5MoeModel:
-    """The same initial weights on every rank and in the reference (seeded CPU init)."""
+def tiny_dense_config() -> Qwen3_5Model.Config:
+    """The dense family: the same mixers (DeltaNet x3, gated attention), a SwiGLU MLP in every layer."""
+    return qwen3_5_config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, intermediate_size=48, rope_theta=1e4, partial_rotary_factor=0.5,
+        mrope_section=(1, 1, 0),
+    )  # fmt: skip
+
+
+def build_model(family: str = "moe") -> Qwen3_5MoeModel | Qwen3_5Model:
+    """The same initial weights on every rank and in the reference (seeded CPU init); ``family`` is
+    ``moe`` (``qwen3_5_moe``) or ``dense`` (``qwen3_5``)."""
     torch.manual_seed(SEED)
-    model = tiny_config().build()
+    model = (tiny_config() if family == "moe" else tiny_dense_config()).build()
     model.init_weights()
     return model
 
@@ -125,23 +138,23 @@ def _train(model, steps: int, pd: ParallelDims | None) -> dict[str, list[float]]
     return {"losses": losses, "grad_norms": norms, "first_grads": first_grads}
 
 
-def reference_job(steps: int) -> dict[str, list[float]]:
+def reference_job(steps: int, family: str = "moe") -> dict[str, list[float]]:
     """The single-process run every layout is compared with (no parallelize at all)."""
     torch.use_deterministic_algorithms(True)
-    return _train(build_model(), steps, None)
+    return _train(build_model(family), steps, None)
 
 
-def layouts_job(layouts: list[Layout], steps: int) -> dict[str, dict[str, Any]]:
+def layouts_job(layouts: list[Layout], steps: int, family: str = "moe") -> dict[str, dict[str, Any]]:
     """Train ``steps`` under each of ``layouts`` (all of this launch's world size) in turn; rank 0's
     losses, grad norms, first-step gradients and per-layer mixer call counts (2 per step for a recomputed layer) by layout."""
     torch.use_deterministic_algorithms(True)
     out: dict[str, dict[str, Any]] = {}
     for layout in layouts:
         assert layout.world == dist.get_world_size(), layout
-        model = build_model()
+        model = build_model(family)
         pd = ParallelDims.from_config(layout.parallelism(), dist.get_world_size())
         pd.build_mesh("cpu")
-        parallelize_qwen3_5_moe(
+        (parallelize_qwen3_5_moe if family == "moe" else parallelize_qwen3_5)(
             model,
             parallel_dims=pd,
             training=TrainingConfig(mixed_precision_param=layout.param_dtype),

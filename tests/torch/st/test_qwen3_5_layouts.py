@@ -3,7 +3,8 @@ documents) reproduces the single-process run (fp32, gloo): every first-step para
 1e-5 (relative to its largest entry), step-1 |dloss| <= 1e-5, all 10 steps <= 1e-4, clipped gradient norm
 within 1e-4 relative. Layouts of one world size share one launch (``qwen3_5_jobs``).
 Ulysses CP splits the DeltaNet heads around ``delta_rule``; TP shards them (grouped ``in_proj_qkv`` rows,
-per-head ``dt_bias``/``A_log``) and the gated attention's heads.
+per-head ``dt_bias``/``A_log``) and the gated attention's heads. The dense family (``qwen3_5``, a SwiGLU
+MLP) runs the layouts that treat its MLP differently (TP, FSDP x TP, CP).
 """
 
 from __future__ import annotations
@@ -37,11 +38,40 @@ LAUNCHES = {
     ],
 }
 LAYOUTS = [layout for layouts in LAUNCHES.values() for layout in layouts]
+# The dense family (same mixers, a SwiGLU MLP): the layouts that split its MLP and mixers differently.
+DENSE_LAUNCHES = {
+    4: [Layout(world=4, dp_shard=2, tp=2)],  # FSDP 2 x TP 2 (+ SP)
+    2: [Layout(world=2, tp=2, sp=False, loss_parallel=False), Layout(world=2, cp=2)],  # TP 2 / Ulysses CP 2
+}
+DENSE_LAYOUTS = [layout for layouts in DENSE_LAUNCHES.values() for layout in layouts]
 
 
 @pytest.fixture(scope="module")
 def reference(pool):
     return pool.run(reference_job, 1, STEPS)[0]
+
+
+@pytest.fixture(scope="module")
+def dense_reference(pool):
+    return pool.run(reference_job, 1, STEPS, "dense")[0]
+
+
+@pytest.fixture(scope="module")
+def dense_results(pool):
+    out = {}
+    for world, layouts in DENSE_LAUNCHES.items():
+        out.update(pool.run(layouts_job, world, layouts, STEPS, "dense", timeout=600.0)[0])
+    return out
+
+
+@pytest.mark.parametrize("layout", DENSE_LAYOUTS, ids=str)
+def test_dense_layout_matches_single_process(dense_reference, dense_results, layout):
+    out, reference = dense_results[str(layout)], dense_reference
+    dloss = [abs(a - b) for a, b in zip(out["losses"], reference["losses"], strict=True)]
+    print(f"\ndense {layout}: step-1 |dloss| {dloss[0]:.2e}, max |dloss| {max(dloss):.2e}")
+    print("  " + assert_grads_match(out["first_grads"], reference["first_grads"]))
+    assert dloss[0] <= 1e-5 and max(dloss) <= 1e-4, dloss
+    assert reference["losses"][-1] < reference["losses"][0] - 0.5, reference["losses"]
 
 
 @pytest.fixture(scope="module")
