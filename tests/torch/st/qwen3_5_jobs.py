@@ -49,11 +49,12 @@ def tiny_config(**overrides: Any) -> Qwen3_5MoeModel.Config:
 
 
 def tiny_dense_config() -> Qwen3_5Model.Config:
-    """The dense family: the same mixers (DeltaNet x3, gated attention), a SwiGLU MLP in every layer."""
+    """The dense family: the same mixers (DeltaNet x3, gated attention), a SwiGLU MLP in every layer; Hk 4 /
+    Hv 8 and 8 q / 4 kv heads, so TP 2 x CP 2 splits every mixer's heads twice."""
     return qwen3_5_config(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-        linear_value_head_dim=8, intermediate_size=48, rope_theta=1e4, partial_rotary_factor=0.5,
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=8, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
+        linear_value_head_dim=4, intermediate_size=48, rope_theta=1e4, partial_rotary_factor=0.5,
         mrope_section=(1, 1, 0),
     )  # fmt: skip
 

@@ -4,7 +4,8 @@ documents) reproduces the single-process run (fp32, gloo): every first-step para
 within 1e-4 relative. Layouts of one world size share one launch (``qwen3_5_jobs``).
 Ulysses CP splits the DeltaNet heads around ``delta_rule``; TP shards them (grouped ``in_proj_qkv`` rows,
 per-head ``dt_bias``/``A_log``) and the gated attention's heads. The dense family (``qwen3_5``, a SwiGLU
-MLP) runs the layouts that treat its MLP differently (TP, FSDP x TP, CP).
+MLP) runs the layouts that treat its MLP differently (TP, FSDP x TP, CP) and TP x CP, which splits the
+DeltaNet heads twice (TP's grouped shards, then Ulysses' key-head-group chunks).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ LAUNCHES = {
 LAYOUTS = [layout for layouts in LAUNCHES.values() for layout in layouts]
 # The dense family (same mixers, a SwiGLU MLP): the layouts that split its MLP and mixers differently.
 DENSE_LAUNCHES = {
-    4: [Layout(world=4, dp_shard=2, tp=2)],  # FSDP 2 x TP 2 (+ SP)
+    4: [Layout(world=4, dp_shard=2, tp=2), Layout(world=4, dp_shard=1, tp=2, cp=2)],  # FSDP 2 x TP 2 / TP 2 x CP 2
     2: [Layout(world=2, tp=2, sp=False, loss_parallel=False), Layout(world=2, cp=2)],  # TP 2 / Ulysses CP 2
 }
 DENSE_LAYOUTS = [layout for layouts in DENSE_LAUNCHES.values() for layout in layouts]
