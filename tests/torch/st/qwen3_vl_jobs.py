@@ -26,7 +26,7 @@ from hyper_parallel.data.vision_language.mrope import mrope_position_ids
 from hyper_parallel.distributed.context_parallel import split_batch_for_cp
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.distributed.utils import clip_grad_norm_
-from hyper_parallel.models.qwen3_vl_moe_v2.model import Qwen3VlMoeModel, qwen3_vl_moe_config
+from hyper_parallel.models.qwen3_vl_moe_v2.model import Qwen3VlMoeModel, qwen3_5_moe_vl_config, qwen3_vl_moe_config
 from hyper_parallel.models.qwen3_vl_moe_v2.parallelize import parallelize_qwen3_vl_moe
 from hyper_parallel.protocols.model import split_output
 from tests.torch.st.glm_jobs import Layout
@@ -53,10 +53,25 @@ def tiny_config(**overrides: Any) -> Qwen3VlMoeModel.Config:
     return qwen3_vl_moe_config(**kwargs)
 
 
-def build_model(freeze_vision: bool = False) -> Qwen3VlMoeModel:
-    """The same initial weights on every rank and in the reference (seeded CPU init)."""
+def tiny_qwen3_5_config() -> Qwen3VlMoeModel.Config:
+    """The Qwen3.5-MoE VL composition: DeltaNet x3 + gated attention, gated shared expert, no deepstack."""
+    return qwen3_5_moe_vl_config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, rope_theta=1e4, partial_rotary_factor=1.0, mrope_section=(2, 1, 1),
+        vision=dict(depth=2, dim=16, n_heads=2, intermediate_size=32, patch_size=PATCH, spatial_merge_size=MERGE,
+                    num_position_embeddings=16, deepstack_visual_indexes=()),
+        image_token_id=IMG, vision_start_token_id=VS, vision_end_token_id=VE,
+    )  # fmt: skip
+
+
+def build_model(freeze_vision: bool = False, family: str = "qwen3_vl_moe") -> Qwen3VlMoeModel:
+    """The same initial weights on every rank and in the reference (seeded CPU init); ``family`` is the text
+    decoder: ``qwen3_vl_moe`` or ``qwen3_5_moe``."""
     torch.manual_seed(SEED)
-    model = dataclasses.replace(tiny_config(), freeze_vision=freeze_vision).build()
+    config = tiny_config() if family == "qwen3_vl_moe" else tiny_qwen3_5_config()
+    model = dataclasses.replace(config, freeze_vision=freeze_vision).build()
     model.init_weights()
     return model
 
@@ -149,12 +164,14 @@ def _forward_loss(model, mb: dict[str, Any], num_tokens: int, loss_fn) -> torch.
     return loss_fn(logits, mb["labels"], num_tokens=num_tokens)
 
 
-def reference_job(steps: int, freeze_vision: bool = False) -> dict[str, Any]:
+def reference_job(steps: int, freeze_vision: bool = False, family: str = "qwen3_vl_moe") -> dict[str, Any]:
     torch.use_deterministic_algorithms(True)
-    return _train(build_model(freeze_vision), steps, None)
+    return _train(build_model(freeze_vision, family), steps, None)
 
 
-def layouts_job(layouts: list[tuple[Layout, bool]], steps: int) -> dict[str, dict[str, Any]]:
+def layouts_job(
+    layouts: list[tuple[Layout, bool]], steps: int, family: str = "qwen3_vl_moe"
+) -> dict[str, dict[str, Any]]:
     """Train ``steps`` under each ``(layout, freeze_vision)`` in turn; rank 0's losses and grad norms, and
     for a frozen tower whether it stayed bit-identical to the initial weights and outside FSDP on every rank."""
     from torch.distributed.tensor import DTensor
@@ -162,7 +179,7 @@ def layouts_job(layouts: list[tuple[Layout, bool]], steps: int) -> dict[str, dic
     torch.use_deterministic_algorithms(True)
     out: dict[str, dict[str, Any]] = {}
     for layout, freeze in layouts:
-        model = build_model(freeze)
+        model = build_model(freeze, family)
         initial = {k: v.clone() for k, v in model.visual.state_dict().items()}
         pd = ParallelDims.from_config(layout.parallelism(), dist.get_world_size())
         pd.build_mesh("cpu")
