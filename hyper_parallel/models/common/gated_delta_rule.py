@@ -45,66 +45,59 @@ def document_bounds(cu_seqlens: torch.Tensor | list[int] | None, batch: int, seq
     return cu
 
 
-def _boundary_windows(cu: list[int], K: int, *, at_start: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The rows next to document boundaries that the full-stream shifted sums get wrong, with their windows.
-
-    ``at_start``: row ``a + i`` (``i < K-1``) of every document after the first (the forward reads back
-    into the previous document); else row ``b - 1 - i`` of every document before the last (the input
-    gradient reads ahead into the next one). Returns ``rows [R]``, ``src [R, K]`` (the source row of tap
-    ``j``: ``t - (K-1-j)``, or ``t + (K-1-j)`` for the gradient) and ``valid [R, K]`` (the source is in
-    ``t``'s document).
-    """
+def _end_windows(cu: list[int], K: int, *, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The last ``K-1`` rows of every document before the last: the full-stream input gradient of the conv
+    reads ahead into the next document there. Returns ``rows [R]``, ``src [R, K]`` (the gradient row that
+    tap ``j`` reads: ``u + K-1-j``) and ``valid [R, K]`` (that row is in ``u``'s document)."""
     cu_t = torch.tensor(cu, dtype=torch.long, device=device)
-    starts, ends = (cu_t[1:-1], cu_t[2:]) if at_start else (cu_t[:-2], cu_t[1:-1])
+    starts, ends = cu_t[:-2], cu_t[1:-1]
     i = torch.arange(K - 1, device=device)
     keep = i[None, :] < (ends - starts)[:, None]  # [D, K-1]: documents shorter than K-1 have fewer rows
-    rows = (starts[:, None] + i if at_start else ends[:, None] - 1 - i)[keep]
-    shift = K - 1 - torch.arange(K, device=device)  # tap j reads shift K-1-j away
-    src = rows[:, None] - shift if at_start else rows[:, None] + shift
-    lo, hi = (starts[:, None].expand_as(keep)[keep], rows) if at_start else (rows, ends[:, None].expand_as(keep)[keep])
-    valid = (src >= lo[:, None]) & (src < hi[:, None] + 1) if at_start else (src >= lo[:, None]) & (src < hi[:, None])
-    return rows, src.clamp(0, cu[-1] - 1), valid
+    rows = (ends[:, None] - 1 - i)[keep]
+    src = rows[:, None] + (K - 1 - torch.arange(K, device=device))
+    valid = src < ends[:, None].expand_as(keep)[keep][:, None]
+    return rows, src.clamp(max=cu[-1] - 1), valid
 
 
 def _crossing_rows(cu: list[int], s: int, *, device: torch.device) -> torch.Tensor:
     """Rows ``t`` whose source ``t - s`` lies before ``t``'s document start (documents after the first)."""
     cu_t = torch.tensor(cu, dtype=torch.long, device=device)
     starts, ends = cu_t[1:-1], cu_t[2:]
-    i = torch.arange(s, device=device)
-    t = starts[:, None] + i
+    t = starts[:, None] + torch.arange(s, device=device)
     return t[(t < ends[:, None]) & (t - s >= cu[0])]
 
 
-def _shifted_sum(x_NC: torch.Tensor, w_CK: torch.Tensor, *, backward: bool) -> torch.Tensor:
-    """``y[t] = sum_s w[:, K-1-s] * x[t-s]`` (or ``x[t+s]`` when ``backward``) over the flat stream, as K
-    fused multiply-adds on channel-last rows (memory-bound: no transposes, no padded copy). The farthest
-    tap goes first, as in ``F.conv1d``: the forward is bitwise HF's conv on the rows inside a document."""
-    N, K = x_NC.shape[0], w_CK.shape[-1]
-    y = torch.empty_like(x_NC)
+def _conv_input_grad(g_NC: torch.Tensor, w_CK: torch.Tensor, cu: list[int]) -> torch.Tensor:
+    """``grad_x[u] = sum_j w[:, j] * g[u + K-1-j]`` over ``u``'s own document, on the flat channel-last
+    stream: K fused multiply-adds over the whole stream (memory-bound: no transposes, no padded copy), then
+    the rows before each document boundary recomputed from in-document terms only (exact)."""
+    N, K = g_NC.shape[0], w_CK.shape[-1]
+    out = torch.empty_like(g_NC)
     s0 = min(K - 1, N)  # the farthest shift that has a source row
-    head, tail = (slice(N - s0, N), slice(0, N - s0)) if backward else (slice(0, s0), slice(s0, N))
-    y[head] = 0
-    torch.mul(x_NC[s0:] if backward else x_NC[: N - s0], w_CK[:, K - 1 - s0], out=y[tail])
+    out[N - s0 :] = 0
+    torch.mul(g_NC[s0:], w_CK[:, K - 1 - s0], out=out[: N - s0])
     for s in range(s0 - 1, -1, -1):
-        if backward:
-            y[: N - s].addcmul_(x_NC[s:], w_CK[:, K - 1 - s])
-        else:
-            y[s:].addcmul_(x_NC[: N - s], w_CK[:, K - 1 - s])
-    return y
+        out[: N - s].addcmul_(g_NC[s:], w_CK[:, K - 1 - s])
+    rows, src, valid = _end_windows(cu, K, device=g_NC.device)
+    if rows.numel():
+        g_RKC = g_NC.index_select(0, src.flatten()).view(*src.shape, -1) * valid.unsqueeze(-1).to(g_NC.dtype)
+        fixed = g_NC.new_zeros(rows.numel(), g_NC.shape[1])
+        for j in range(K):
+            fixed.addcmul_(g_RKC[:, j], w_CK[:, j])
+        out.index_copy_(0, rows, fixed)
+    return out
 
 
-def _fix_rows(y_NC: torch.Tensor, x_NC: torch.Tensor, w_CK: torch.Tensor, windows: tuple[torch.Tensor, ...]) -> None:
-    """Recompute the rows of ``windows`` from their in-document terms only (out-of-document taps read
-    zeros), in ``_shifted_sum``'s order: exact, nothing leaks across a boundary."""
-    rows, src, valid = windows
-    if not rows.numel():
-        return
-    R, K = src.shape
-    x_RKC = x_NC.index_select(0, src.flatten()).view(R, K, -1) * valid.unsqueeze(-1).to(x_NC.dtype)
-    fixed = x_NC.new_zeros(R, x_NC.shape[1])
-    for j in range(K):
-        fixed.addcmul_(x_RKC[:, j], w_CK[:, j])
-    y_NC.index_copy_(0, rows, fixed)
+def _conv_weight_grad(g_NC: torch.Tensor, x_NC: torch.Tensor, K: int, cu: list[int]) -> torch.Tensor:
+    """``grad_w[:, K-1-s] = sum_t g[t] * x[t - s]`` over pairs inside one document (cross-document pairs of
+    the full-stream product are zeroed before the sum, not subtracted after)."""
+    grad_w = g_NC.new_zeros(g_NC.shape[1], K)
+    for s in range(min(K, g_NC.shape[0])):
+        prod = g_NC[s:] * x_NC[: g_NC.shape[0] - s]
+        if s:
+            prod.index_fill_(0, _crossing_rows(cu, s, device=g_NC.device) - s, 0)
+        grad_w[:, K - 1 - s] = prod.sum(0)
+    return grad_w
 
 
 def _conv_forward(x_BTC: torch.Tensor, w_CK: torch.Tensor, cu: list[int]) -> torch.Tensor:
@@ -126,11 +119,10 @@ class _CausalConvSiLU(torch.autograd.Function):
     """``silu(causal depthwise conv)`` per document of ``x [B, T, C]`` with ``w [C, K]``:
     ``y[t] = sum_j w[:, j] * x[t - K + 1 + j]`` over rows of ``t``'s own document (zeros before its start).
 
-    Forward: HF's call (``_conv_forward``), in the weight's dtype, returned in ``x``'s dtype. Backward:
-    shifted multiply-adds over the flat channel-last stream (on CPU several times faster than the
-    depthwise ``convolution_backward`` and its transposes); the rows next to a document boundary are
-    recomputed from in-document terms and cross-document weight terms are zeroed, so packed documents
-    stay exactly "each run alone".
+    Forward: HF's call (``_conv_forward``) in the weight's dtype, returned in ``x``'s dtype. Backward, in
+    fp32: shifted multiply-adds over the flat channel-last stream (on CPU several times faster than the
+    depthwise ``convolution_backward`` with its transposes), exact per document (``_conv_input_grad``,
+    ``_conv_weight_grad``).
     """
 
     @staticmethod
@@ -145,22 +137,11 @@ class _CausalConvSiLU(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # noqa: D102
         x_BTC, w, y = ctx.saved_tensors
         B, T, C = x_BTC.shape
-        K, cu = w.shape[-1], ctx.cu
-        g = torch.ops.aten.silu_backward(grad.to(w.dtype), y).reshape(B * T, C).contiguous()
-        x = x_BTC.reshape(B * T, C)
-        grad_x = _shifted_sum(g, w, backward=True)  # x[u] fed y[u + s] with tap K-1-s
-        _fix_rows(grad_x, g, w, _boundary_windows(cu, K, at_start=False, device=x.device))
-        grad_w = torch.empty_like(w)
-        for s in range(K):  # tap K-1-s pairs y[t] with x[t - s]; cross-document pairs are zeroed, not summed
-            n = x.shape[0] - s
-            if n <= 0:
-                grad_w[:, K - 1 - s] = 0
-                continue
-            prod = g[s:] * x[:n]
-            if s:
-                prod.index_fill_(0, _crossing_rows(cu, s, device=x.device) - s, 0)
-            grad_w[:, K - 1 - s] = prod.sum(0)
-        return grad_x.view(B, T, C).to(ctx.in_dtype), grad_w, None
+        f32 = torch.float32
+        g = torch.ops.aten.silu_backward(grad.to(f32), y.to(f32)).reshape(B * T, C).contiguous()
+        grad_x = _conv_input_grad(g, w.to(f32), ctx.cu)
+        grad_w = _conv_weight_grad(g, x_BTC.reshape(B * T, C).to(f32), w.shape[-1], ctx.cu)
+        return grad_x.view(B, T, C).to(ctx.in_dtype), grad_w.to(w.dtype), None
 
 
 def causal_conv1d_silu(x_BTC: torch.Tensor, weight_CK: torch.Tensor, cu: list[int]) -> torch.Tensor:
