@@ -210,7 +210,7 @@ def parallelize_decoder(
                 router_mesh = pd.fsdp_mesh_with_tp() if pd.tp_enabled else dense_mesh
                 shard_module(router, router_mesh, mp_policy=fp32_policy_like(mp), reshard_after_forward=reshard)
             local = _moe_token_shard_modules(moe, skip=(router, moe.experts)) if pd.tp_enabled else []
-            if local:  # e.g. Qwen's shared_expert_gate: plain weights that see only this rank's tokens
+            if local:  # e.g. a shared-expert gate: plain weights that see only this rank's tokens
                 shard_module(local, pd.fsdp_mesh_with_tp(), mp_policy=mp, reshard_after_forward=reshard)
             if separate_moe:
                 shard_module(

@@ -10,9 +10,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from torch.distributed.tensor import Placement
+import torch
+from torch.distributed.tensor import DTensor, Placement
 
-__all__ = ["LocalMapConfig", "MeshAxisName", "NamedPlacement", "ShardingConfig"]
+__all__ = ["LocalMapConfig", "MeshAxisName", "NamedPlacement", "ShardingConfig", "local_shard"]
 
 
 class MeshAxisName(str, enum.Enum):
@@ -73,3 +74,10 @@ class ShardingConfig:
     def placement(self, name: str, axis: MeshAxisName) -> Placement | None:
         """The declared placement of parameter ``name`` on ``axis`` (None = replicated)."""
         return self.params.get(name, {}).get(axis)
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a parameter that parallelisation may have made a DTensor (plain tensors pass);
+    for modules that compute on local tensors (``local_forward``, expert-parallel experts). The gradient
+    flows back as that shard."""
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from hyper_parallel.models.common.attention import AttentionMeta
 from hyper_parallel.models.common.gated_delta_rule import GatedDeltaRule
@@ -39,13 +38,9 @@ from hyper_parallel.models.common.mixer import TokenMixer
 from hyper_parallel.models.common.qwen3_5_norm import GatedRMSNorm
 from hyper_parallel.protocols.module import Module
 from hyper_parallel.protocols.param_init import NormalInit, ParamInit
+from hyper_parallel.protocols.sharding import local_shard
 
 __all__ = ["CausalConv1d", "GatedDeltaNet"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The rank's shard of a tensor-parallel parameter (its gradient flows back as that shard)."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class CausalConv1d(Module):
@@ -155,14 +150,15 @@ class GatedDeltaNet(TokenMixer):
         qkv = self.in_proj_qkv(x_BTD).view(B, T, n_k, 2 * dk + r * dv)
         z = self.in_proj_z(x_BTD).view(B, T, n_v, dv)
         beta = b.sigmoid()
-        g = -_local(self.A_log).float().exp() * F.softplus(self.in_proj_a(x_BTD).float() + _local(self.dt_bias))
-        conv_weight = _local(self.conv1d.weight).squeeze(1)
+        dt_bias, A_log = local_shard(self.dt_bias), local_shard(self.A_log)  # this rank's value heads
+        g = -A_log.float().exp() * F.softplus(self.in_proj_a(x_BTD).float() + dt_bias)
+        conv_weight = local_shard(self.conv1d.weight).squeeze(1)
         o = self.delta_rule(qkv, g, beta, conv_weight=conv_weight, meta=meta)
         o = self.norm(o, z)
         return self.out_proj(o.reshape(B, T, -1))
 
-    @classmethod
-    def qkv_rows_from_hf(cls, config: Config, rows: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def qkv_rows_from_hf(config: Config, rows: torch.Tensor) -> torch.Tensor:
         """HF's ``[Q | K | V]`` rows (dim 0 of ``in_proj_qkv.weight`` or ``conv1d.weight``) -> our grouped order."""
         c = config
         key_dim, value_dim = c.num_k_heads * c.head_k_dim, c.num_v_heads * c.head_v_dim
@@ -175,8 +171,8 @@ class GatedDeltaNet(TokenMixer):
         q, k, v = (t.reshape(c.num_k_heads, -1, *tail) for t in rows.split([key_dim, key_dim, value_dim]))
         return torch.cat([q, k, v], dim=1).reshape(rows.shape)
 
-    @classmethod
-    def qkv_rows_to_hf(cls, config: Config, rows: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def qkv_rows_to_hf(config: Config, rows: torch.Tensor) -> torch.Tensor:
         """Our grouped rows -> HF's ``[Q | K | V]`` order (the inverse of ``qkv_rows_from_hf``)."""
         c = config
         r = c.num_v_heads // c.num_k_heads

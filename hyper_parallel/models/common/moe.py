@@ -22,7 +22,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from hyper_parallel.models.common.feed_forward import FeedForward
 from hyper_parallel.models.common.grouped_mm import GroupedMMImpl, grouped_linear
@@ -30,13 +29,9 @@ from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.token_dispatcher import LocalTokenDispatcher, count_tokens_per_expert
 from hyper_parallel.protocols.module import Module
 from hyper_parallel.protocols.param_init import NormalInit, ParamInit
+from hyper_parallel.protocols.sharding import local_shard
 
 __all__ = ["GroupedExperts", "LoadBalanceStats", "MoE", "Router", "load_balancing_loss"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor parameter (expert parallel shards experts on dim 0)."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Router(Module):
@@ -255,7 +250,8 @@ class GroupedExperts(Module):
 
     def forward(self, x_SD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         impl = self.config.grouped_mm_impl
-        w_gate_up_E2FD, w_down_EDF = _local(self.gate_up_proj), _local(self.down_proj)
+        # expert parallel shards experts on dim 0: compute on this rank's experts
+        w_gate_up_E2FD, w_down_EDF = local_shard(self.gate_up_proj), local_shard(self.down_proj)
         # HF casts the input to the expert dtype (autocast does not cover grouped_mm).
         h_S2F = grouped_linear(x_SD.to(w_gate_up_E2FD.dtype), w_gate_up_E2FD, num_tokens_per_expert_E, impl)
         gate_SF, up_SF = h_S2F.chunk(2, dim=-1)

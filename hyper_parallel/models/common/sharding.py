@@ -231,11 +231,11 @@ def set_gated_deltanet_sharding(gdn: GatedDeltaNet.Config, *, residual: Placemen
     recurrence sees the rank's heads only. tp must divide ``num_k_heads`` (so also ``num_v_heads``).
     """
     gdn = set_qkv_linear_sharding(gdn, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
-    by_head = {TP: Shard(0)}
-    region = region_config("x_BTD", residual)
+    per_head = {"dt_bias": {TP: Shard(0)}, "A_log": {TP: Shard(0)}}
+    region = dataclasses.replace(region_config("x_BTD", residual), params=per_head, local_forward=True)
     return dataclasses.replace(
         gdn,
-        sharding_config=dataclasses.replace(region, params={"dt_bias": by_head, "A_log": dict(by_head)}, local_forward=True),
+        sharding_config=region,
         conv1d=_with(gdn.conv1d, ShardingConfig(params={"weight": {TP: Shard(0)}}, local_forward=True)),
         norm=_with(gdn.norm, None),
         out_proj=_with(gdn.out_proj, rowwise_config(gdn.out_proj, output_placement=residual)),

@@ -3,14 +3,13 @@
 - vision tower: FSDP only (no tensor parallel, RFC): its configs keep ``sharding_config=None``; every rank
   runs the whole tower on the micro-batch's images;
 - text decoder: the full plan of ``hyper_parallel.models.common.sharding`` (GQA by heads, dense MLP
-  column/row-wise, MoE routed experts ``Shard(0)`` on ``ep``, embeddings and head); Qwen3.5 text layers use
-  the Qwen3.5 mixer placements (``qwen3_5_v2.sharding``).
+  column/row-wise, MoE routed experts ``Shard(0)`` on ``ep``, embeddings and head); Qwen3.5 text layers' gated
+  attention and Gated DeltaNet placements come from the same shared builders.
 """
 
 from __future__ import annotations
 
 from hyper_parallel.models.common.sharding import set_decoder_sharding_config
-from hyper_parallel.models.qwen3_5_v2.sharding import qwen3_5_mixer_sharding
 from hyper_parallel.models.qwen3_vl_moe_v2.model import Qwen3VlMoeModel
 
 __all__ = ["set_qwen3_vl_moe_sharding_config"]
@@ -25,5 +24,4 @@ def set_qwen3_vl_moe_sharding_config(
         loss_parallel=loss_parallel,
         enable_sp=enable_sp,
         ep_degree=ep_degree,
-        mixer_sharding=qwen3_5_mixer_sharding if config.text_family == "qwen3_5_moe" else None,
     )

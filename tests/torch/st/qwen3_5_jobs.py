@@ -147,7 +147,8 @@ def reference_job(steps: int, family: str = "moe") -> dict[str, list[float]]:
 
 def layouts_job(layouts: list[Layout], steps: int, family: str = "moe") -> dict[str, dict[str, Any]]:
     """Train ``steps`` under each of ``layouts`` (all of this launch's world size) in turn; rank 0's
-    losses, grad norms, first-step gradients and per-layer mixer call counts (2 per step for a recomputed layer) by layout."""
+    losses, grad norms, first-step gradients and per-layer mixer call counts (2 per step for a recomputed
+    layer) by layout."""
     torch.use_deterministic_algorithms(True)
     out: dict[str, dict[str, Any]] = {}
     for layout in layouts:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.torch.st.glm_jobs import Layout, layout_job, reference_job
-from tests.torch.st.grad_check import assert_grads_match
+from tests.torch.st.grad_check import assert_matches_reference
 
 pytestmark = pytest.mark.slow
 
@@ -42,17 +42,14 @@ def reference(pool):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_layout_matches_single_process(pool, reference, layout):
     out = pool.run(layout_job, layout.world, layout, STEPS)[0]
-    dloss = [abs(a - b) for a, b in zip(out["losses"], reference["losses"], strict=True)]
-    dnorm = [abs(a - b) / b for a, b in zip(out["grad_norms"], reference["grad_norms"], strict=True)]
-    print(f"\n{layout}: step-1 |dloss| {dloss[0]:.2e}, max |dloss| {max(dloss):.2e}, grad-norm rel {max(dnorm):.2e}")
     if layout.param_dtype == "float32":
-        print("  " + assert_grads_match(out["first_grads"], reference["first_grads"]))
-        assert dloss[0] <= 1e-5, dloss
-        assert max(dloss) <= 1e-4, dloss
-        assert max(dnorm) <= 1e-4, dnorm
+        assert_matches_reference(out, reference, str(layout), learns_by=0.5)
     else:  # bf16 compute against the fp32 reference: only close
+        dloss = [abs(a - b) for a, b in zip(out["losses"], reference["losses"], strict=True)]
+        dnorm = [abs(a - b) / b for a, b in zip(out["grad_norms"], reference["grad_norms"], strict=True)]
+        print(f"\n{layout}: max |dloss| {max(dloss):.2e}, grad-norm rel {max(dnorm):.2e}")
         assert max(dloss) <= 5e-3 and max(dnorm) <= 5e-2, (dloss, dnorm)
-    assert reference["losses"][-1] < reference["losses"][0] - 0.5  # the reference itself learns
+        assert reference["losses"][-1] < reference["losses"][0] - 0.5  # the reference itself learns
 
     # freeze_vq: the codebook is a plain replicated tensor, no gradient, never updated, equal everywhere.
     assert out["codebook_is_plain"] and out["codebook_grad_is_none"]
