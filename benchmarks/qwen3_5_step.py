@@ -1,8 +1,11 @@
 """Forward+backward time of our Qwen3.5 blocks vs HF's torch fallback, side by side in one run.
 
-1. One Gated DeltaNet layer (ours ``GatedDeltaNet`` vs HF ``Qwen3_5MoeGatedDeltaNet`` with its torch
-   ``chunk_gated_delta_rule`` / ``causal_conv1d`` fallbacks), fwd + bwd.
-2. One whole training step (fwd + bwd of a token-mean cross entropy) of a small ``qwen3_5_moe`` model vs
+1. The DeltaNet sequence core, i.e. what HF's torch fallback replaces the CUDA kernels with: ours
+   ``GatedDeltaRule`` (causal conv + SiLU + chunked gated delta rule, packing-exact) vs HF's fallbacks
+   ``causal_conv1d_fn`` + ``torch_chunk_gated_delta_rule``, fwd + bwd, same pre-conv q/k/v, g, beta, conv weight.
+2. One Gated DeltaNet layer (ours ``GatedDeltaNet`` vs HF ``Qwen3_5MoeGatedDeltaNet`` with those fallbacks),
+   fwd + bwd: the core plus the five projection GEMMs (identical ``nn.Linear`` calls in both), gates and norm.
+3. One whole training step (fwd + bwd of a token-mean cross entropy) of a small ``qwen3_5_moe`` model vs
    HF ``Qwen3_5MoeForCausalLM``.
 
 Same weights (ours loads HF's ``save_pretrained`` output or state dict), same batch, fp32, 2 threads.
@@ -34,6 +37,54 @@ def time_pair(fn_hf, fn_ours, iters: int) -> tuple[float, float]:
             fn()
             out.append(time.perf_counter() - t)
     return statistics.median(times[0]), statistics.median(times[1])
+
+
+def bench_core(args) -> tuple[float, float]:
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_mod
+
+    from hyper_parallel.models.common.gated_delta_rule import GatedDeltaRule
+    from hyper_parallel.models.common.gated_deltanet import GatedDeltaNet
+
+    Hk, Hv, D, T = args.k_heads, args.v_heads, args.head_dim, args.seq
+    cfg = GatedDeltaNet.Config(num_k_heads=Hk, num_v_heads=Hv, head_k_dim=D, head_v_dim=D)
+    rule = GatedDeltaRule.Config().build(head_k_dim=D, head_v_dim=D)
+    C = 2 * Hk * D + Hv * D
+    gen = torch.Generator().manual_seed(0)
+    qkv_hf = torch.randn(1, T, C, generator=gen)
+    w_hf = torch.randn(C, 4, generator=gen) * 0.3
+    g = -F.softplus(torch.randn(1, T, Hv, generator=gen))  # log decay <= 0, as the layer makes it
+    beta = torch.rand(1, T, Hv, generator=gen)
+    qkv_ours = GatedDeltaNet.qkv_rows_from_hf(cfg, qkv_hf[0].t()).t().reshape(1, T, Hk, -1)
+    w_ours = GatedDeltaNet.qkv_rows_from_hf(cfg, w_hf)
+    grad = torch.randn(1, T, Hv, D, generator=gen) / T
+
+    def hf_core(qkv, w, g, beta):
+        mixed = hf_mod.causal_conv1d_fn(qkv.transpose(1, 2), w, None, activation="silu").transpose(1, 2)
+        q, k, v = mixed.split([Hk * D, Hk * D, Hv * D], dim=-1)
+        return hf_mod.torch_chunk_gated_delta_rule(
+            q.reshape(1, T, Hk, D), k.reshape(1, T, Hk, D), v.reshape(1, T, Hv, D), g=g, beta=beta,
+            initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True,
+        )[0]  # fmt: skip
+
+    def ours_core(qkv, w, g, beta):
+        return rule(qkv, g, beta, conv_weight=w)
+
+    def step(fn, qkv, w):
+        def run():
+            inputs = [t.clone().requires_grad_() for t in (qkv, w, g, beta)]
+            fn(*inputs).backward(grad)
+
+        return run
+
+    with torch.no_grad():
+        diff = (hf_core(qkv_hf, w_hf, g, beta) - ours_core(qkv_ours, w_ours, g, beta)).abs().max().item()
+    t_hf, t_ours = time_pair(step(hf_core, qkv_hf, w_hf), step(ours_core, qkv_ours, w_ours), args.iters)
+    print(
+        f"DeltaNet core fwd+bwd (conv + SiLU + gated delta rule) Hk={Hk} Hv={Hv} D={D} T={T}: "
+        f"HF torch fallback {t_hf * 1e3:8.1f} ms   ours {t_ours * 1e3:8.1f} ms   ratio {t_hf / t_ours:5.2f}x   "
+        f"(max |out diff| {diff:.1e})"
+    )
+    return t_hf, t_ours
 
 
 def bench_deltanet(args) -> tuple[float, float]:
@@ -143,6 +194,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     print(f"fp32, {args.threads} threads, median of {args.iters}")
+    bench_core(args)
     bench_deltanet(args)
     bench_model_step(args)
 

@@ -100,48 +100,73 @@ def _conv_weight_grad(g_NC: torch.Tensor, x_NC: torch.Tensor, K: int, cu: list[i
     return grad_w
 
 
-def _conv_forward(x_BTC: torch.Tensor, w_CK: torch.Tensor, cu: list[int]) -> torch.Tensor:
-    """Pre-activation causal conv per document, by HF's exact call (``F.conv1d``, its rounding): one row per
-    document as is, packed documents each behind ``K - 1`` zeros of a padded stream."""
-    B, T, C = x_BTC.shape
-    K = w_CK.shape[-1]
-    if len(cu) == B + 1:  # one document per row
-        return F.conv1d(x_BTC.transpose(1, 2), w_CK.unsqueeze(1), padding=K - 1, groups=C)[..., :T].transpose(1, 2)
-    cu_t = torch.tensor(cu, device=x_BTC.device)
-    tok = torch.arange(B * T, device=x_BTC.device)
-    pos = tok + (torch.searchsorted(cu_t[1:], tok, right=True) + 1) * (K - 1)  # K-1 zeros before every document
-    padded = x_BTC.new_zeros(B * T + (len(cu) - 1) * (K - 1), C).index_copy(0, pos, x_BTC.reshape(B * T, C))
-    y = F.conv1d(padded.t().unsqueeze(0), w_CK.unsqueeze(1), padding=K - 1, groups=C)[0, :, : padded.shape[0]]
-    return y.t().index_select(0, pos).view(B, T, C)
+def _start_windows(cu: list[int], K: int, *, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The first ``K-1`` rows of every document after the first: the full-stream forward reads back into
+    the previous document there. Returns ``rows [R]``, ``src [R, K]`` (the input row tap ``j`` reads:
+    ``t - K+1 + j``) and ``valid [R, K]`` (that row is in ``t``'s document)."""
+    cu_t = torch.tensor(cu, dtype=torch.long, device=device)
+    starts, ends = cu_t[1:-1], cu_t[2:]
+    i = torch.arange(K - 1, device=device)
+    keep = i[None, :] < (ends - starts)[:, None]  # [D, K-1]: documents shorter than K-1 have fewer rows
+    rows = (starts[:, None] + i)[keep]
+    src = rows[:, None] - (K - 1 - torch.arange(K, device=device))
+    valid = src >= starts[:, None].expand_as(keep)[keep][:, None]
+    return rows, src.clamp(min=0), valid
+
+
+def _conv_forward(x_NC: torch.Tensor, w_CK: torch.Tensor, cu: list[int]) -> torch.Tensor:
+    """Pre-activation causal conv per document on the flat channel-last stream: ``y[t] = x[t-K+1] w[:, 0]``,
+    then ``y[t] += x[t-K+1+j] w[:, j]`` as fused multiply-adds for ``j = 1 .. K-1`` (taps before the
+    document start add nothing). That is ``F.conv1d``'s accumulation order on CPU (oneDNN), so the result
+    is HF's, bit for bit where the CPU fuses the same way, with no transposes or padded copies (memory-bound:
+    K passes over the stream). The first rows of every later document are recomputed from in-document taps.
+    """
+    N, K = x_NC.shape[0], w_CK.shape[-1]
+    y = torch.empty_like(x_NC)
+    s0 = min(K - 1, N)  # tap 0 reads K-1 rows back
+    y[:s0] = 0
+    torch.mul(x_NC[: N - s0], w_CK[:, 0], out=y[s0:])
+    for j in range(1, K):
+        s = K - 1 - j
+        if s < N:
+            y[s:].addcmul_(x_NC[: N - s], w_CK[:, j])
+    rows, src, valid = _start_windows(cu, K, device=x_NC.device)
+    if rows.numel():
+        x_RKC = x_NC.index_select(0, src.flatten()).view(*src.shape, -1) * valid.unsqueeze(-1).to(x_NC.dtype)
+        fixed = x_RKC[:, 0] * w_CK[:, 0]
+        for j in range(1, K):
+            fixed.addcmul_(x_RKC[:, j], w_CK[:, j])
+        y.index_copy_(0, rows, fixed)
+    return y
 
 
 class _CausalConvSiLU(torch.autograd.Function):
     """``silu(causal depthwise conv)`` per document of ``x [B, T, C]`` with ``w [C, K]``:
     ``y[t] = sum_j w[:, j] * x[t - K + 1 + j]`` over rows of ``t``'s own document (zeros before its start).
 
-    Forward: HF's call (``_conv_forward``) in the weight's dtype, returned in ``x``'s dtype. Backward, in
-    fp32: shifted multiply-adds over the flat channel-last stream (on CPU several times faster than the
-    depthwise ``convolution_backward`` with its transposes), exact per document (``_conv_input_grad``,
-    ``_conv_weight_grad``).
+    Both directions are shifted multiply-adds over the flat channel-last stream (on CPU several times faster
+    than the depthwise ``convolution`` / ``convolution_backward`` with their transposes), exact per document.
+    Forward (``_conv_forward``): ``F.conv1d``'s accumulation order, in the weight's dtype, returned in ``x``'s
+    dtype. Backward (``_conv_input_grad``, ``_conv_weight_grad``): in fp32.
     """
 
     @staticmethod
     def forward(ctx, x_BTC: torch.Tensor, w_CK: torch.Tensor, cu: list[int]) -> torch.Tensor:  # noqa: D102
-        x = x_BTC.to(w_CK.dtype)
+        B, T, C = x_BTC.shape
+        x = x_BTC.to(w_CK.dtype).reshape(B * T, C).contiguous()
         y = _conv_forward(x, w_CK, cu)
         ctx.save_for_backward(x, w_CK, y)
         ctx.cu, ctx.in_dtype = cu, x_BTC.dtype
-        return F.silu(y).to(x_BTC.dtype)
+        return F.silu(y).view(B, T, C).to(x_BTC.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # noqa: D102
-        x_BTC, w, y = ctx.saved_tensors
-        B, T, C = x_BTC.shape
+        x_NC, w, y_NC = ctx.saved_tensors
         f32 = torch.float32
-        g = torch.ops.aten.silu_backward(grad.to(f32), y.to(f32)).reshape(B * T, C).contiguous()
+        g = torch.ops.aten.silu_backward(grad.reshape(y_NC.shape).to(f32), y_NC.to(f32)).contiguous()
         grad_x = _conv_input_grad(g, w.to(f32), ctx.cu)
-        grad_w = _conv_weight_grad(g, x_BTC.reshape(B * T, C).to(f32), w.shape[-1], ctx.cu)
-        return grad_x.view(B, T, C).to(ctx.in_dtype), grad_w.to(w.dtype), None
+        grad_w = _conv_weight_grad(g, x_NC.to(f32), w.shape[-1], ctx.cu)
+        return grad_x.view(grad.shape).to(ctx.in_dtype), grad_w.to(w.dtype), None
 
 
 def causal_conv1d_silu(x_BTC: torch.Tensor, weight_CK: torch.Tensor, cu: list[int]) -> torch.Tensor:
@@ -151,44 +176,95 @@ def causal_conv1d_silu(x_BTC: torch.Tensor, weight_CK: torch.Tensor, cu: list[in
 
 
 class _UnitLowerSolve(torch.autograd.Function):
-    """``X = (I + strict_lower(A))^-1 B`` for a batch of ``[L, L]`` matrices (diagonal and upper part of A ignored).
+    """``X_i = (I + strict_lower(A))^-1 B_i`` for two right-hand sides and a batch of ``[L, L]`` matrices
+    (diagonal and upper part of A ignored).
 
-    Forward: HF's unit-lower-triangular solve. Backward with the explicit inverse ``T`` (one solve against a
-    contiguous identity): ``dB = T^T dX`` and ``dA = -(dB X^T)`` on the strict lower triangle, as batched
-    matmuls (on CPU, autograd's transposed triangular solve against a strided gradient is several times slower).
+    Forward: one unit-lower-triangular solve per right-hand side (column-wise, so bitwise the same as one
+    solve against ``[B_1 | B_2]``, without the cat and split copies; ``X = T B`` with the explicit inverse
+    ``T`` is faster on CPU, but its rounding drifts about twice as far from HF's gradients). Backward with
+    ``T`` (one solve against the identity): ``dB_i = T^T dX_i`` and ``dA = -sum_i dB_i X_i^T`` on the strict
+    lower triangle, as batched matmuls (on CPU, autograd's transposed triangular solve against a strided
+    gradient is several times slower).
     """
 
     @staticmethod
-    def forward(ctx, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        X = torch.linalg.solve_triangular(A, B, upper=False, unitriangular=True)
-        ctx.save_for_backward(A, X)
-        return X
+    def forward(ctx, A: torch.Tensor, B1: torch.Tensor, B2: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: D102
+        X1, X2 = (torch.linalg.solve_triangular(A, B, upper=False, unitriangular=True) for B in (B1, B2))
+        ctx.save_for_backward(A, X1, X2)
+        return X1, X2
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: D102
-        A, X = ctx.saved_tensors
+    def backward(ctx, grad1: torch.Tensor | None, grad2: torch.Tensor | None):  # noqa: D102
+        A, X1, X2 = ctx.saved_tensors
         eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device).expand_as(A).contiguous()
         T_inv = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
-        grad_B = T_inv.mT @ grad
-        return -(grad_B @ X.mT).tril(-1), grad_B
+        grad1 = torch.zeros_like(X1) if grad1 is None else grad1
+        grad2 = torch.zeros_like(X2) if grad2 is None else grad2
+        grad_B1, grad_B2 = T_inv.mT @ grad1, T_inv.mT @ grad2
+        grad_A = grad_B1 @ X1.mT + grad_B2 @ X2.mT
+        return -grad_A.tril(-1), grad_B1, grad_B2
 
 
-class _SplitSteps(torch.autograd.Function):
-    """``x.split(sizes)`` (views) whose backward is one ``cat`` of the pieces' gradients (autograd's
-    split backward was measured several times slower on CPU)."""
+class _ChunkScan(torch.autograd.Function):
+    """The only sequential part of the chunked form, for chunks in step-major order (step ``j`` holds chunk
+    ``j`` of the first ``docs_per_step[j]`` documents), per value head::
+
+        v'_n = U_n - W_n S_n;   o_n = Qd_n S_n + P_n v'_n;   S_next = d_n S_n + Kd_n^T v'_n
+        (S = 0 at every document start)
+
+    ``U [N, H, L, Dv]``, ``W``/``Qd``/``Kd [N, H, L, Dk]``, ``P [N, H, L, L]``, ``d [N, H, 1, 1]``. Backward is
+    the reverse recurrence, written out (autograd over the Python loop would launch ~20 tiny ops per step and
+    write a zero-filled full-size gradient for every slice)::
+
+        dv'_n = P_n^T dO_n + Kd_n dS_next;   dS_n = d_n dS_next + Qd_n^T dO_n - W_n^T dv'_n
+        dW_n = -dv'_n S_n^T;  dQd_n = dO_n S_n^T;  dP_n = dO_n v'_n^T;  dKd_n = v'_n dS_next^T
+        dd_n = <dS_next, S_n>
+
+    Every product runs inside its step, on one step's chunks (cache-resident on CPU; batching the
+    non-sequential ones over all chunks was measured no faster), writing into preallocated outputs.
+    """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:  # noqa: D102
-        ctx.sizes = sizes
-        return x.split(sizes)
+    def forward(ctx, U, W, Qd, P, Kd, decay, docs_per_step: list[int]) -> torch.Tensor:  # noqa: D102
+        N, H, _, Dv = U.shape
+        states = U.new_empty(N, H, W.shape[-1], Dv)  # S_n of every chunk, for the backward
+        v_new, out = torch.empty_like(U), U.new_empty(U.shape)  # v' laid out like U (rounding of P v')
+        S = U.new_zeros(docs_per_step[0], H, W.shape[-1], Dv)
+        a = 0
+        for n in docs_per_step:
+            b = a + n
+            S = S[:n]
+            states[a:b] = S
+            torch.sub(U[a:b], W[a:b] @ S, out=v_new[a:b])
+            torch.add(Qd[a:b] @ S, P[a:b] @ v_new[a:b], out=out[a:b])
+            S = S * decay[a:b] + Kd[a:b].mT @ v_new[a:b]
+            a = b
+        ctx.save_for_backward(W, Qd, P, Kd, decay, states, v_new)
+        ctx.docs_per_step = docs_per_step
+        return out
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None]:  # noqa: D102
-        ref = next(g for g in grads if g is not None)
-        parts = [
-            g.contiguous() if g is not None else ref.new_zeros(n, *ref.shape[1:]) for g, n in zip(grads, ctx.sizes)
-        ]
-        return torch.cat(parts), None
+    def backward(ctx, grad_out: torch.Tensor):  # noqa: D102
+        W, Qd, P, Kd, decay, states, v_new = ctx.saved_tensors
+        dO = grad_out.contiguous()
+        grads = [t.new_empty(t.shape) for t in (v_new, W, Qd, P, Kd, decay)]  # contiguous: written by slices
+        dU, dW, dQd, dP, dKd, dd = grads
+        dS = states.new_zeros(0, *states.shape[1:])  # gradient of the state after the current step
+        b = states.shape[0]
+        for n in reversed(ctx.docs_per_step):
+            a = b - n
+            if dS.shape[0] < n:  # documents whose last chunk this is: nothing flows back from after it
+                dS = torch.cat([dS, dS.new_zeros(n - dS.shape[0], *dS.shape[1:])])
+            S, dO_j, v_j = states[a:b], dO[a:b], v_new[a:b]
+            torch.add(P[a:b].mT @ dO_j, Kd[a:b] @ dS, out=dU[a:b])  # dv' = dU
+            torch.bmm(v_j.flatten(0, 1), dS.mT.flatten(0, 1), out=dKd[a:b].flatten(0, 1))
+            torch.sum(dS * S, dim=(-1, -2), keepdim=True, out=dd[a:b])
+            torch.bmm(dO_j.flatten(0, 1), S.mT.flatten(0, 1), out=dQd[a:b].flatten(0, 1))
+            torch.bmm(dO_j.flatten(0, 1), v_j.mT.flatten(0, 1), out=dP[a:b].flatten(0, 1))
+            torch.bmm(dU[a:b].flatten(0, 1), S.mT.flatten(0, 1), out=dW[a:b].flatten(0, 1)).neg_()
+            dS = dS * decay[a:b] + Qd[a:b].mT @ dO_j - W[a:b].mT @ dU[a:b]
+            b = a
+        return dU, dW, dQd, dP, dKd, dd, None
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -269,23 +345,30 @@ def _chunk_rule(
     L = chunk_size
     lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
     n_docs = len(lengths)
-    # One fp32 tensor with every per-token input, laid out in chunks [N, L, F] in step-major order (chunk j
-    # of every document that has one, documents sorted by length); padding slots are zeros.
-    x_BTF = torch.cat([qkv_BTC, g_BTH, beta_BTH.to(g_BTH.dtype)], dim=-1).float()  # g stays fp32
-    width = x_BTF.shape[-1]
-    if len(set(lengths)) == 1:  # equal documents (plain rows): a reshape, no gather
+    # Every per-token input laid out in chunks [N, L, F] in step-major order (chunk j of every document that
+    # has one, documents sorted by length); padding slots are zeros. Each input separately: a cat of them
+    # would cost a full copy forward and another backward.
+    if len(set(lengths)) == 1:  # equal documents (plain rows): a reshape (a view for one row), no gather
         n = lengths[0]
         steps = -(-n // L)
-        x = F.pad(x_BTF.reshape(n_docs, n, width), (0, 0, 0, steps * L - n))
-        x_NLF = x.view(n_docs, steps, L, width).transpose(0, 1).reshape(steps * n_docs, L, width)
         docs_per_step = [n_docs] * steps
+
+        def to_chunks(t_BTF: torch.Tensor) -> torch.Tensor:
+            t = t_BTF.reshape(n_docs, n, -1)
+            if steps * L != n:
+                t = F.pad(t, (0, 0, 0, steps * L - n))
+            return t.view(n_docs, steps, L, -1).transpose(0, 1).reshape(steps * n_docs, L, -1)
+
         plan = None
     else:
-        plan = _chunk_plan(cu, L, x_BTF.device)
-        flat = torch.cat([x_BTF.reshape(B * T, width), x_BTF.new_zeros(1, width)])
-        x_NLF = flat.index_select(0, plan.gather_NL.reshape(-1)).view(*plan.gather_NL.shape, width)
+        plan = _chunk_plan(cu, L, qkv_BTC.device)
         docs_per_step = plan.docs_per_step
-    qkv, g, beta = x_NLF.split([C, Hv, Hv], dim=-1)
+
+        def to_chunks(t_BTF: torch.Tensor) -> torch.Tensor:
+            flat = torch.cat([t_BTF.reshape(B * T, -1), t_BTF.new_zeros(1, t_BTF.shape[-1])])
+            return flat.index_select(0, plan.gather_NL.reshape(-1)).view(*plan.gather_NL.shape, -1)
+
+    qkv, g, beta = to_chunks(qkv_BTC.float()), to_chunks(g_BTH.float()), to_chunks(beta_BTH.float())
     q, k, v = qkv.reshape(-1, L, Hk, 2 * Dk + r * Dv).split([Dk, Dk, r * Dv], dim=-1)
 
     # [N, H, L, d]; value head h reads key head h // r (block grouping)
@@ -301,26 +384,15 @@ def _chunk_rule(
     k_beta = k * beta.unsqueeze(-1)
     A = (k_beta @ k.transpose(-1, -2)) * decay_LL
     attn = (q @ k.transpose(-1, -2)) * decay_LL
-    # One unit-lower-triangular solve for both right-hand sides [beta V | beta K e^gamma].
-    rhs = torch.cat([v * beta.unsqueeze(-1), k_beta * gamma.exp().unsqueeze(-1)], dim=-1)
-    U, W = _UnitLowerSolve.apply(A, rhs).split([Dv, Dk], dim=-1)
+    # The unit-lower-triangular solve for both right-hand sides, beta V and beta K e^gamma.
+    U, W = _UnitLowerSolve.apply(A, v * beta.unsqueeze(-1), k_beta * gamma.exp().unsqueeze(-1))
     q_decay = q * gamma.exp().unsqueeze(-1)
     k_decay = k * (gamma[..., -1:] - gamma).exp().unsqueeze(-1)
     chunk_decay = gamma[..., -1].exp()[..., None, None]
 
-    # Scan over chunk steps; documents ride side by side, finished ones drop off the end. One split per
-    # tensor (its backward is one cat) rather than a slice per step (each slice's backward would write a
-    # zero-filled full-size gradient: quadratic in the number of steps).
-    tensors = (U, W, q_decay, attn, k_decay.transpose(-1, -2).contiguous(), chunk_decay)
-    steps = zip(*(_SplitSteps.apply(t, docs_per_step) for t in tensors))
-    S = q.new_zeros(docs_per_step[0], Hv, Dk, Dv)
-    outs = []
-    for U_j, W_j, q_j, attn_j, kT_j, decay_j in steps:
-        S = S[: U_j.shape[0]]
-        v_new = U_j - W_j @ S
-        outs.append(q_j @ S + attn_j @ v_new)
-        S = S * decay_j + kT_j @ v_new
-    o_NLHD = torch.cat(outs).transpose(1, 2)  # [N, L, Hv, Dv]
+    # The scan over chunk steps (documents side by side, finished ones drop off the end).
+    o_NHLD = _ChunkScan.apply(U, W, q_decay, attn, k_decay, chunk_decay, docs_per_step)
+    o_NLHD = o_NHLD.transpose(1, 2)  # [N, L, Hv, Dv]
     if plan is None:
         n = lengths[0]
         o = o_NLHD.reshape(len(docs_per_step), n_docs, L, Hv, Dv).transpose(0, 1).reshape(n_docs, -1, Hv, Dv)[:, :n]
