@@ -372,9 +372,10 @@ def _chunk_rule(
     q, k, v = qkv.reshape(-1, L, Hk, 2 * Dk + r * Dv).split([Dk, Dk, r * Dv], dim=-1)
 
     # [N, H, L, d]; value head h reads key head h // r (block grouping)
-    q = (_l2norm(q) * Dk**-0.5).repeat_interleave(r, dim=2).transpose(1, 2)
-    k = _l2norm(k).repeat_interleave(r, dim=2).transpose(1, 2)
-    v = v.reshape(-1, L, Hv, Dv).transpose(1, 2)
+    # (head-major and contiguous: every matmul and solve below then reads them without a copy)
+    q = (_l2norm(q) * Dk**-0.5).transpose(1, 2).repeat_interleave(r, dim=1)
+    k = _l2norm(k).transpose(1, 2).repeat_interleave(r, dim=1)
+    v = v.reshape(-1, L, Hv, Dv).transpose(1, 2).contiguous()
     g, beta = g.transpose(1, 2), beta.transpose(1, 2)  # [N, Hv, L]
 
     # Intra-chunk quantities for all chunks at once.
