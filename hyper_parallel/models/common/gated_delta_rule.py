@@ -91,9 +91,11 @@ def _conv_input_grad(g_NC: torch.Tensor, w_CK: torch.Tensor, cu: list[int]) -> t
 def _conv_weight_grad(g_NC: torch.Tensor, x_NC: torch.Tensor, K: int, cu: list[int]) -> torch.Tensor:
     """``grad_w[:, K-1-s] = sum_t g[t] * x[t - s]`` over pairs inside one document (cross-document pairs of
     the full-stream product are zeroed before the sum, not subtracted after)."""
+    N = g_NC.shape[0]
     grad_w = g_NC.new_zeros(g_NC.shape[1], K)
-    for s in range(min(K, g_NC.shape[0])):
-        prod = g_NC[s:] * x_NC[: g_NC.shape[0] - s]
+    buf = torch.empty_like(g_NC)  # one product buffer for every shift (a fresh one each costs page faults)
+    for s in range(min(K, N)):
+        prod = torch.mul(g_NC[s:], x_NC[: N - s], out=buf[: N - s])
         if s:
             prod.index_fill_(0, _crossing_rows(cu, s, device=g_NC.device) - s, 0)
         grad_w[:, K - 1 - s] = prod.sum(0)
