@@ -9,6 +9,8 @@
 #   D  a bf16 FSDP training step of the debug model (torchrun, every visible GPU)
 #   E  async checkpoint (pinned staging) + resume continues from it
 #   F  --debug.deterministic: two runs give bitwise the same losses
+#   G  Gated DeltaNet on the CUDA kernels (causal-conv1d + flash-linear-attention, the `gpu` extra):
+#      packed bf16 fwd + bwd == our torch path in fp32, and its speed (SKIP when the packages are missing)
 #
 # Each check prints one PASS/FAIL line with its numbers; the exit status is the number of failures.
 #
@@ -16,7 +18,7 @@
 #   bash benchmarks/gpu_check.sh --cpu      # the same checks on CPU (sdpa / fp32 paths), to test the script
 #   ONLY=AB bash benchmarks/gpu_check.sh    # a subset of the checks
 set -euo pipefail
-ONLY=${ONLY:-ABCDEF}
+ONLY=${ONLY:-ABCDEFG}
 
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -271,12 +273,60 @@ check_deterministic() {
   fi
 }
 
+check_deltanet_kernels() {
+  "$PY" - <<'PY'
+import os, time, torch
+from hyper_parallel.models.common import gated_delta_rule as gdr
+from hyper_parallel.models.common.attention import AttentionMeta
+dev = torch.device(os.environ["DEV"])
+if gdr.fla_chunk_gated_delta_rule is None or gdr.causal_conv1d_fn is None or dev.type != "cuda":
+    print(f"PASS (SKIP) deltanet kernels: fla installed {gdr.fla_chunk_gated_delta_rule is not None}, causal_conv1d "
+          f"installed {gdr.causal_conv1d_fn is not None}, device {dev} (pip install 'hyper-parallel[gpu]' on CUDA)")
+    raise SystemExit(0)
+Hk, Hv, D, K, lengths = 8, 16, 128, 4, [3000, 2000, 1500, 1200, 492]  # 35B-A3B's DeltaNet heads, packed
+T, G = sum(lengths), 2 * D + Hv // Hk * D
+g = torch.Generator(device=dev).manual_seed(0)
+qkv = torch.randn(1, T, Hk, G, device=dev, generator=g)
+logdecay = -torch.rand(1, T, Hv, device=dev, generator=g)
+beta = torch.rand(1, T, Hv, device=dev, generator=g)
+w = torch.randn(Hk * G, K, device=dev, generator=g) * 0.3
+grad = torch.randn(1, T, Hv, D, device=dev, generator=g) / T
+meta = AttentionMeta(cu_seqlens=torch.tensor([0, *lengths], device=dev).cumsum(0).to(torch.int32))
+
+def run(backend, dtype):
+    rule = gdr.GatedDeltaRule.Config(backend=backend).build(head_k_dim=D, head_v_dim=D)
+    xs = [qkv.to(dtype, copy=True).requires_grad_(), logdecay.clone().requires_grad_(),
+          beta.to(dtype, copy=True).requires_grad_(), w.to(dtype, copy=True).requires_grad_()]
+    out = rule(xs[0], xs[1], xs[2], conv_weight=xs[3], meta=meta)
+    out.backward(grad.to(dtype))
+    return out.float(), [x.grad.float() for x in xs], rule.kernel(xs[0])
+
+def timed(backend, dtype, n=5):
+    run(backend, dtype); torch.cuda.synchronize(); t = time.perf_counter()
+    for _ in range(n):
+        run(backend, dtype)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e3
+
+out, grads, kernel = run("auto", torch.bfloat16)
+ref, ref_grads, _ = run("torch", torch.float32)
+rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()
+err_out, err_grad = rel(out, ref), max(rel(a, b) for a, b in zip(grads, ref_grads))
+ok = kernel == "cuda_kernels" and err_out <= 3e-2 and err_grad <= 6e-2
+print(f"{'PASS' if ok else 'FAIL'} deltanet kernels: kernel={kernel} docs={lengths} Hk={Hk} Hv={Hv} D={D}: bf16 kernels vs "
+      f"fp32 torch path rel err out {err_out:.2e} (tol 3e-2) grads {err_grad:.2e} (tol 6e-2); fwd+bwd "
+      f"{timed('auto', torch.bfloat16):.1f} ms (kernels, bf16) vs {timed('torch', torch.float32):.1f} ms (torch path, fp32)")
+raise SystemExit(0 if ok else 1)
+PY
+}
+
 run_check "A packed attention kernel" check_attention
 run_check "B grouped matmul" check_grouped_mm
 run_check "C chunked loss" check_loss
 run_check "D bf16 FSDP step" check_bf16_step
 run_check "E async checkpoint + resume" check_async_checkpoint
 run_check "F deterministic runs" check_deterministic
+run_check "G Gated DeltaNet CUDA kernels" check_deltanet_kernels
 
 echo "== summary ($DEV)"
 printf '%s\n' "${RESULTS[@]}"

@@ -18,14 +18,18 @@ Packing: ``cu_seqlens`` over the flattened ``B*T`` stream (documents never cross
 is cut into its own chunks (the last one zero-padded), so no chunk mixes two documents; the only
 sequential part, the scan over chunks, runs all documents side by side: step ``j`` processes chunk
 ``j`` of every document that has one (documents sorted by length, so those are a prefix). The causal
-conv restarts the same way: ``K - 1`` zeros are placed before every document. Both are exactly
-"run each document alone", with no Python loop over tokens.
+conv restarts the same way: taps never reach before a document's start. Both are exactly "run each
+document alone", with no Python loop over tokens.
+
+Implementations (``GatedDeltaRule.Config.backend``): ours above (any device, fp32 inside), or on CUDA with
+fp16/bf16 inputs the ``causal-conv1d`` and ``flash-linear-attention`` kernels (the optional ``gpu`` extra;
+``seq_idx`` / ``cu_seqlens`` keep packing exact there too). ``auto`` takes the kernels when they can run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +37,16 @@ import torch.nn.functional as F
 from hyper_parallel.models.common.attention import AttentionMeta, check_boundaries
 from hyper_parallel.protocols.module import Module
 
-__all__ = ["GatedDeltaRule", "causal_conv1d_silu", "chunk_gated_delta_rule", "document_bounds"]
+try:  # optional CUDA kernels (the ``gpu`` extra); the torch path below never needs them
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+except ImportError:  # pragma: no cover - depends on the environment
+    fla_chunk_gated_delta_rule = None
+try:
+    from causal_conv1d import causal_conv1d_fn
+except ImportError:  # pragma: no cover - depends on the environment
+    causal_conv1d_fn = None
+
+__all__ = ["GatedDeltaRule", "causal_conv1d_silu", "chunk_gated_delta_rule", "cuda_kernels_can_run", "document_bounds"]
 
 
 def document_bounds(cu_seqlens: torch.Tensor | list[int] | None, batch: int, seqlen: int) -> list[int]:
@@ -404,6 +417,40 @@ def _chunk_rule(
     return o.view(B, T, Hv, Dv).to(out_dtype)
 
 
+def cuda_kernels_can_run(qkv: torch.Tensor) -> bool:
+    """Whether the CUDA kernels take inputs like ``qkv``: ``flash-linear-attention`` and ``causal-conv1d``
+    installed, CUDA, fp16/bf16 (fla's chunked kernel rejects fp32)."""
+    installed = fla_chunk_gated_delta_rule is not None and causal_conv1d_fn is not None
+    return installed and qkv.is_cuda and qkv.dtype in (torch.float16, torch.bfloat16)
+
+
+def _cuda_kernels_forward(
+    qkv_BTHG: torch.Tensor, g_BTH: torch.Tensor, beta_BTH: torch.Tensor, conv_weight_CK: torch.Tensor,
+    cu: list[int], *, Dk: int, Dv: int,
+) -> torch.Tensor:  # fmt: skip
+    """``GatedDeltaRule`` through ``causal_conv1d_fn`` and fla's ``chunk_gated_delta_rule`` (HF's kernels).
+
+    The conv runs channel-last on ``[B, C, T]`` views with ``seq_idx`` (the document of every token: taps
+    never cross a boundary); the rule runs on the flat ``[1, B*T]`` stream with ``cu_seqlens`` (the state
+    restarts per document). fla wants one head count for q, k and v, so q/k are repeated per value head
+    (value head ``h`` reads key head ``h // r``).
+    """
+    B, T, Hk, G = qkv_BTHG.shape
+    Hv = g_BTH.shape[-1]
+    r = Hv // Hk
+    cu_t = torch.tensor(cu, dtype=torch.long, device=qkv_BTHG.device)
+    tok = torch.arange(B * T, device=qkv_BTHG.device)
+    seq_idx_BT = torch.searchsorted(cu_t[1:], tok, right=True).to(torch.int32).view(B, T)
+    x_BCT = qkv_BTHG.reshape(B, T, Hk * G).transpose(1, 2)  # channel-last memory, as seq_idx requires
+    y_BTC = causal_conv1d_fn(x_BCT, conv_weight_CK, None, seq_idx=seq_idx_BT, activation="silu").transpose(1, 2)
+    q, k, v = y_BTC.reshape(B, T, Hk, G).split([Dk, Dk, r * Dv], dim=-1)
+    if r > 1:
+        q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
+    flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v.reshape(B, T, Hv, Dv), g_BTH, beta_BTH.to(q.dtype))]
+    o, _ = fla_chunk_gated_delta_rule(*flat, scale=Dk**-0.5, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t)
+    return o.reshape(B, T, Hv, Dv)
+
+
 class GatedDeltaRule(Module):
     """The sequence core of Gated DeltaNet: causal conv + SiLU, then the chunked gated delta rule.
 
@@ -424,6 +471,10 @@ class GatedDeltaRule(Module):
     class Config(Module.Config):
         chunk_size: int = 64
         """Tokens per chunk of the chunked form (HF: 64); results agree to fp32 rounding for any value."""
+        backend: Literal["auto", "torch", "cuda_kernels"] = "auto"
+        """`torch`: ours (any device and dtype, fp32 inside); `cuda_kernels`: the `causal-conv1d` and
+        `flash-linear-attention` kernels (the `gpu` extra; CUDA fp16/bf16); `auto`: the kernels when they can
+        run, else ours."""
 
     def __init__(self, config: Config, *, head_k_dim: int, head_v_dim: int) -> None:
         super().__init__(config)
@@ -447,10 +498,27 @@ class GatedDeltaRule(Module):
                 f"channels for {Hk} key heads and {Hv} value heads"
             )
         cu = document_bounds(meta.cu_seqlens if meta is not None else None, B, T)
+        if self.kernel(qkv) == "cuda_kernels":
+            return _cuda_kernels_forward(qkv, g, beta, conv_weight, cu, Dk=dk, Dv=dv)
         qkv = causal_conv1d_silu(qkv.reshape(B, T, Hk * G), conv_weight, cu)
         o = _chunk_rule(qkv, g, beta, Hk=Hk, Dk=dk, Dv=dv, cu=cu, chunk_size=self.config.chunk_size,
                         out_dtype=qkv.dtype)  # fmt: skip
         return o
+
+    def kernel(self, qkv: torch.Tensor) -> Literal["torch", "cuda_kernels"]:
+        """The implementation ``forward`` runs for inputs like ``qkv`` (raises if the configured one cannot)."""
+        backend = self.config.backend
+        if backend == "torch":
+            return "torch"
+        can_run = cuda_kernels_can_run(qkv)
+        if backend == "cuda_kernels" and not can_run:
+            raise RuntimeError(
+                "GatedDeltaRule.Config.backend='cuda_kernels' needs the flash-linear-attention and causal-conv1d "
+                "packages (pip install 'hyper-parallel[gpu]') and CUDA fp16/bf16 inputs (installed: fla "
+                f"{fla_chunk_gated_delta_rule is not None}, causal_conv1d {causal_conv1d_fn is not None}; device: "
+                f"{qkv.device}, dtype: {qkv.dtype}); use backend='auto' or 'torch'"
+            )
+        return "cuda_kernels" if can_run else "torch"
 
     def cp_local_kwargs(self, args: tuple, kwargs: dict, *, rank: int, world: int) -> dict:
         """Context parallel: the conv weight rows of key-head chunk ``rank`` (``args`` hold every head);

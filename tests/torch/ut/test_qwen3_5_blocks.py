@@ -225,6 +225,73 @@ def test_causal_conv_is_exact_per_document_with_gradients(docs):
         assert torch.equal(causal_conv1d_silu(x2, w.detach(), cu)[:, a:b], y.detach()[:, a:b])
 
 
+def _fake_causal_conv1d_fn(x_BCT, weight_CK, bias, seq_idx, activation):
+    """causal-conv1d's documented contract, by HF's own call per document: ``x [B, C, T]`` with channel-last
+    memory (required with ``seq_idx``), taps never cross a change of ``seq_idx [B, T]``, optional SiLU."""
+    assert bias is None and activation == "silu" and x_BCT.stride(1) == 1 and seq_idx.dtype == torch.int32
+    out = torch.empty_like(x_BCT)
+    for b in range(x_BCT.shape[0]):
+        ids = seq_idx[b].tolist()
+        starts = [t for t in range(len(ids)) if t == 0 or ids[t] != ids[t - 1]] + [len(ids)]
+        for a, e in zip(starts[:-1], starts[1:]):
+            out[b, :, a:e] = hf_mod.causal_conv1d_fn(x_BCT[b : b + 1, :, a:e], weight_CK, None, activation="silu")[0]
+    return out
+
+
+def _fake_fla_chunk_gated_delta_rule(q, k, v, g, beta, *, scale, use_qk_l2norm_in_kernel, cu_seqlens):
+    """fla's documented contract, by HF's torch fallback per document: ``[1, N, H, D]`` inputs with one head
+    count for q, k and v, the state restarting at every ``cu_seqlens`` boundary."""
+    assert q.shape[0] == 1 and q.shape[2] == k.shape[2] == v.shape[2] == beta.shape[2] == g.shape[2]
+    assert use_qk_l2norm_in_kernel and scale == q.shape[-1] ** -0.5 and cu_seqlens.dtype == torch.long
+    cu = cu_seqlens.tolist()
+    parts = [
+        hf_mod.torch_chunk_gated_delta_rule(
+            q[:, a:e], k[:, a:e], v[:, a:e], g=g[:, a:e], beta=beta[:, a:e], use_qk_l2norm_in_kernel=True
+        )[0]
+        for a, e in zip(cu[:-1], cu[1:])
+    ]
+    return torch.cat(parts, dim=1), None
+
+
+def test_cuda_kernel_path_feeds_the_kernels_their_contract(monkeypatch):
+    """backend='cuda_kernels' hands causal-conv1d and fla the layouts they document (grouped rows, channel-last
+    conv with seq_idx, q/k repeated per value head, the flat stream with cu_seqlens): with stand-ins that
+    implement those contracts by HF's torch fallbacks, output and every gradient equal our torch path on
+    packed documents. CPU CI cannot run the real kernels: benchmarks/gpu_check.sh does (check G)."""
+    from hyper_parallel.models.common import gated_delta_rule as gdr
+
+    Hk, Hv, Dk, Dv, K, B, T = 2, 4, 8, 6, 4, 2, 40
+    G = 2 * Dk + Hv // Hk * Dv
+    gen = torch.Generator().manual_seed(3)
+    inputs = [
+        torch.randn(B, T, Hk, G, generator=gen),
+        -torch.rand(B, T, Hv, generator=gen),
+        torch.rand(B, T, Hv, generator=gen),
+        torch.randn(Hk * G, K, generator=gen) * 0.5,
+    ]
+    meta = AttentionMeta(cu_seqlens=torch.tensor([0, 7, 30, 40, 41, 80], dtype=torch.int32))
+    grad = torch.randn(B, T, Hv, Dv, generator=gen)
+
+    def run(backend: str):
+        rule = GatedDeltaRule.Config(backend=backend).build(head_k_dim=Dk, head_v_dim=Dv)
+        qkv, g, beta, w = (t.clone().requires_grad_() for t in inputs)
+        out = rule(qkv, g, beta, conv_weight=w, meta=meta)
+        out.backward(grad)
+        return out, [t.grad for t in (qkv, g, beta, w)]
+
+    with pytest.raises(RuntimeError, match=r"hyper-parallel\[gpu\].*backend='auto' or 'torch'"):
+        run("cuda_kernels")  # CPU, fp32, no packages: the error says what is missing
+    assert GatedDeltaRule.Config().build(head_k_dim=Dk, head_v_dim=Dv).kernel(inputs[0]) == "torch"
+    ref, ref_grads = run("torch")
+    monkeypatch.setattr(gdr, "causal_conv1d_fn", _fake_causal_conv1d_fn)
+    monkeypatch.setattr(gdr, "fla_chunk_gated_delta_rule", _fake_fla_chunk_gated_delta_rule)
+    monkeypatch.setattr(gdr, "cuda_kernels_can_run", lambda qkv: True)
+    out, grads = run("cuda_kernels")
+    assert (out - ref).abs().max().item() <= TOL
+    for got, want in zip(grads, ref_grads):
+        assert (got - want).abs().max().item() <= TOL
+
+
 # ---- gated attention + M-RoPE --------------------------------------------------------------------
 
 ATTN_VARIANTS = {
