@@ -58,18 +58,36 @@ def document_bounds(cu_seqlens: torch.Tensor | list[int] | None, batch: int, seq
     return cu
 
 
-def _end_windows(cu: list[int], K: int, *, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The last ``K-1`` rows of every document before the last: the full-stream input gradient of the conv
-    reads ahead into the next document there. Returns ``rows [R]``, ``src [R, K]`` (the gradient row that
-    tap ``j`` reads: ``u + K-1-j``) and ``valid [R, K]`` (that row is in ``u``'s document)."""
+def _boundary_windows(cu: list[int], K: int, *, ahead: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The rows whose ``K``-tap window on the flat stream crosses a document boundary.
+
+    ``ahead=False`` (the forward reads back): the first ``K-1`` rows ``t`` of every document after the first,
+    tap ``j`` reading ``t - (K-1-j)``. ``ahead=True`` (the input gradient reads ahead): the last ``K-1`` rows of
+    every document before the last, tap ``j`` reading ``t + (K-1-j)``. Returns ``rows [R]``, ``src [R, K]``
+    (clamped into the stream) and ``valid [R, K]`` (``src`` lies in the row's own document).
+    """
     cu_t = torch.tensor(cu, dtype=torch.long, device=device)
-    starts, ends = cu_t[:-2], cu_t[1:-1]
+    starts, ends = (cu_t[:-2], cu_t[1:-1]) if ahead else (cu_t[1:-1], cu_t[2:])
     i = torch.arange(K - 1, device=device)
     keep = i[None, :] < (ends - starts)[:, None]  # [D, K-1]: documents shorter than K-1 have fewer rows
-    rows = (ends[:, None] - 1 - i)[keep]
-    src = rows[:, None] + (K - 1 - torch.arange(K, device=device))
-    valid = src < ends[:, None].expand_as(keep)[keep][:, None]
-    return rows, src.clamp(max=cu[-1] - 1), valid
+    rows = ((ends[:, None] - 1 - i) if ahead else (starts[:, None] + i))[keep]
+    shift = K - 1 - torch.arange(K, device=device)
+    src = rows[:, None] + shift if ahead else rows[:, None] - shift
+    lo, hi = (t[:, None].expand_as(keep)[keep][:, None] for t in (starts, ends))
+    return rows, src.clamp(0, cu[-1] - 1), (src >= lo) & (src < hi)
+
+
+def _recompute_rows(out_NC: torch.Tensor, x_NC: torch.Tensor, w_CK: torch.Tensor, windows: tuple) -> None:
+    """``out[rows] = sum_j w[:, j] * x[src[:, j]]`` over the in-document taps of ``_boundary_windows``,
+    accumulated by fused multiply-adds for ``j = 0 .. K-1`` (the stream's order and rounding)."""
+    rows, src, valid = windows
+    if not rows.numel():
+        return
+    x_RKC = x_NC.index_select(0, src.flatten()).view(*src.shape, -1) * valid.unsqueeze(-1).to(x_NC.dtype)
+    fixed = x_NC.new_zeros(rows.numel(), x_NC.shape[1])
+    for j in range(w_CK.shape[-1]):
+        fixed.addcmul_(x_RKC[:, j], w_CK[:, j])
+    out_NC.index_copy_(0, rows, fixed)
 
 
 def _crossing_rows(cu: list[int], s: int, *, device: torch.device) -> torch.Tensor:
@@ -91,13 +109,7 @@ def _conv_input_grad(g_NC: torch.Tensor, w_CK: torch.Tensor, cu: list[int]) -> t
     torch.mul(g_NC[s0:], w_CK[:, K - 1 - s0], out=out[: N - s0])
     for s in range(s0 - 1, -1, -1):
         out[: N - s].addcmul_(g_NC[s:], w_CK[:, K - 1 - s])
-    rows, src, valid = _end_windows(cu, K, device=g_NC.device)
-    if rows.numel():
-        g_RKC = g_NC.index_select(0, src.flatten()).view(*src.shape, -1) * valid.unsqueeze(-1).to(g_NC.dtype)
-        fixed = g_NC.new_zeros(rows.numel(), g_NC.shape[1])
-        for j in range(K):
-            fixed.addcmul_(g_RKC[:, j], w_CK[:, j])
-        out.index_copy_(0, rows, fixed)
+    _recompute_rows(out, g_NC, w_CK, _boundary_windows(cu, K, ahead=True, device=g_NC.device))
     return out
 
 
@@ -113,20 +125,6 @@ def _conv_weight_grad(g_NC: torch.Tensor, x_NC: torch.Tensor, K: int, cu: list[i
             prod.index_fill_(0, _crossing_rows(cu, s, device=g_NC.device) - s, 0)
         grad_w[:, K - 1 - s] = prod.sum(0)
     return grad_w
-
-
-def _start_windows(cu: list[int], K: int, *, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The first ``K-1`` rows of every document after the first: the full-stream forward reads back into
-    the previous document there. Returns ``rows [R]``, ``src [R, K]`` (the input row tap ``j`` reads:
-    ``t - K+1 + j``) and ``valid [R, K]`` (that row is in ``t``'s document)."""
-    cu_t = torch.tensor(cu, dtype=torch.long, device=device)
-    starts, ends = cu_t[1:-1], cu_t[2:]
-    i = torch.arange(K - 1, device=device)
-    keep = i[None, :] < (ends - starts)[:, None]  # [D, K-1]: documents shorter than K-1 have fewer rows
-    rows = (starts[:, None] + i)[keep]
-    src = rows[:, None] - (K - 1 - torch.arange(K, device=device))
-    valid = src >= starts[:, None].expand_as(keep)[keep][:, None]
-    return rows, src.clamp(min=0), valid
 
 
 def _conv_forward(x_NC: torch.Tensor, w_CK: torch.Tensor, cu: list[int]) -> torch.Tensor:
@@ -145,13 +143,7 @@ def _conv_forward(x_NC: torch.Tensor, w_CK: torch.Tensor, cu: list[int]) -> torc
         s = K - 1 - j
         if s < N:
             y[s:].addcmul_(x_NC[: N - s], w_CK[:, j])
-    rows, src, valid = _start_windows(cu, K, device=x_NC.device)
-    if rows.numel():
-        x_RKC = x_NC.index_select(0, src.flatten()).view(*src.shape, -1) * valid.unsqueeze(-1).to(x_NC.dtype)
-        fixed = x_RKC[:, 0] * w_CK[:, 0]
-        for j in range(1, K):
-            fixed.addcmul_(x_RKC[:, j], w_CK[:, j])
-        y.index_copy_(0, rows, fixed)
+    _recompute_rows(y, x_NC, w_CK, _boundary_windows(cu, K, ahead=False, device=x_NC.device))
     return y
 
 
