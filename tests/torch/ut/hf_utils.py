@@ -181,7 +181,6 @@ def _hf_state(hf: nn.Module, strip: str) -> dict[str, torch.Tensor]:
     return {k.removeprefix(strip): v for k, v in hf.state_dict().items()}
 
 
-@torch.no_grad()
 def _grouped_qkv_owner(ours: nn.Module, name: str) -> GatedDeltaNet | None:
     parts = name.split(".")
     if parts[-2:] not in (["in_proj_qkv", "weight"], ["conv1d", "weight"]):
@@ -202,6 +201,7 @@ def our_row_order(ours: nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
     return GatedDeltaNet.qkv_rows_from_hf(owner.config, t) if owner is not None else t
 
 
+@torch.no_grad()
 def load_from_hf_(ours: nn.Module, hf: nn.Module, strip: str = "") -> nn.Module:
     """Copy HF's state dict into ours; names must match exactly after removing ``strip`` (strict)."""
     state = {k: our_row_order(ours, k, v) for k, v in _hf_state(hf, strip).items()}
