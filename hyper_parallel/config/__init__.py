@@ -1,6 +1,7 @@
 """Config system: Configurable/Function, option groups and the tyro-based ConfigManager."""
 
 from hyper_parallel.config.configurable import Configurable, Function, config_to_dict
+from hyper_parallel.config.errors import ConfigError
 from hyper_parallel.config.dtypes import TORCH_DTYPE_MAP, to_torch_dtype
 from hyper_parallel.config.parallelism import ParallelismConfig
 from hyper_parallel.config.training import (
@@ -30,7 +31,7 @@ __all__ = [
 
 def __getattr__(name: str):
     # Lazy: `python -m hyper_parallel.config.manager` must not find the module pre-imported.
-    if name in ("ConfigManager", "ConfigError"):
+    if name == "ConfigManager":
         from hyper_parallel.config import manager
 
         return getattr(manager, name)

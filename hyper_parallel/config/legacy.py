@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hyper_parallel.config.manager import ConfigError
+from hyper_parallel.config.errors import ConfigError
 
 __all__ = [
     "LEGACY_KEYS",

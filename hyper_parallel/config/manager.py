@@ -24,13 +24,11 @@ from typing import Any
 
 import tyro
 
+from hyper_parallel.config.errors import ConfigError
+
 __all__ = ["ConfigManager", "ConfigError", "apply_overrides", "load_run_file"]
 
 _MODELS_PACKAGE = "hyper_parallel.models"
-
-
-class ConfigError(ValueError):
-    """A config, recipe or run-file problem; the message says what to change."""
 
 
 def _pop_option(args: list[str], name: str) -> str | None:
@@ -294,17 +292,12 @@ class ConfigManager:
         return config
 
     def _apply_run_file(self, config: Any, data: dict[str, Any], path: str) -> Any:
-        # Imported here: legacy.py imports ConfigError from this module.
+        # Imported only for a run file: the v1-YAML translation is a feature off the training import path.
         from hyper_parallel.config import legacy
 
         source = f"--config-file {path}"
         if legacy.is_legacy_layout(data):
-            try:
-                data = legacy.translate_legacy(data, source=source)
-            except legacy.ConfigError as e:
-                # Under `python -m hyper_parallel.config.manager` this module runs as __main__, whose
-                # ConfigError is a different class from legacy.py's: re-raise as ours so main() reports it.
-                raise ConfigError(str(e)) from None
+            data = legacy.translate_legacy(data, source=source)
         return apply_overrides(config, data, source=source)
 
 

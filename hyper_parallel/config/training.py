@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from typing import Literal
 
+from hyper_parallel.config.errors import ConfigError
+
 
 @dataclass(kw_only=True, slots=True)
 class TrainingConfig:
@@ -28,8 +30,6 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         if self.mixed_precision_param not in ("float32", "bfloat16"):
-            from hyper_parallel.config.manager import ConfigError  # manager imports this module
-
             hint = (
                 " float16 gradients underflow without loss scaling (a GradScaler), which this trainer does not do;"
                 if self.mixed_precision_param in ("float16", "fp16", "half")

@@ -41,7 +41,7 @@ from hyper_parallel.data.mixture import MixtureDataLoader
 from hyper_parallel.data.packing import TokenDocument, batch_to_device, collate_packed
 from hyper_parallel.data.preset import BATCH_KEYS, PresetDataLoader, check_batch
 from hyper_parallel.data.source_config import SourceConfig
-from hyper_parallel.data.text_loader import HuggingFaceTextDataLoader, TextShardWriter
+from hyper_parallel.data.text.loader import HuggingFaceTextDataLoader, TextShardWriter
 from hyper_parallel.data.direct_token.toy_corpus import ToyCorpusSpec, cached_toy_corpus, make_toy_samples, write_toy_corpus
 from hyper_parallel.data.vision_language import VisionLanguageDataLoader
 

@@ -34,6 +34,10 @@ _STATE_VERSION = 2
 DATA_SOURCES: dict[str, type[BaseDataLoader]] = {}
 """``data.source`` -> the loader class (filled as the source modules are imported)."""
 
+_MIXTURE_LOADER: list[type[BaseDataLoader]] = []
+"""The loader of ``data.sources`` (a subclass that sets ``mixes_sources``), registered like a source so
+this base module knows no subclass by name."""
+
 
 class DataStateMismatch(ValueError):
     """A saved data state was made with other data (path, seed, source or packing budget)."""
@@ -48,6 +52,8 @@ class BaseDataLoader(Configurable):
     """
 
     source: ClassVar[str] = ""
+    mixes_sources: ClassVar[bool] = False
+    """True for the loader that serves ``data.sources`` (a weighted mixture of sources)."""
     source_names: tuple[str, ...] = ()
     """A mixture's source names: its micro-batches carry ``source_ids`` (int64 ``[B, T]``, an index into
     this tuple per position); empty for a single source (no ``source_ids``)."""
@@ -98,9 +104,9 @@ class BaseDataLoader(Configurable):
             """Construct the loader of ``source`` (:data:`DATA_SOURCES`) from this config plus runtime objects."""
             cls = DATA_SOURCES.get(self.source)
             if self.sources:
-                from hyper_parallel.data.mixture import MixtureDataLoader
-
-                cls = MixtureDataLoader
+                if not _MIXTURE_LOADER:
+                    raise ValueError("data.sources is set but no mixture loader is registered: import hyper_parallel.data")
+                cls = _MIXTURE_LOADER[-1]
             if cls is None:
                 raise ValueError(f"data.source={self.source!r} is not a data source; use one of {sorted(DATA_SOURCES)}")
             clash = sorted({f.name for f in fields(self)} & runtime_objects.keys())
@@ -115,6 +121,8 @@ class BaseDataLoader(Configurable):
         super().__init_subclass__(**kwargs)
         if cls.__dict__.get("source"):
             DATA_SOURCES[cls.source] = cls
+        if cls.__dict__.get("mixes_sources"):
+            _MIXTURE_LOADER.append(cls)
 
     def __init__(
         self,

@@ -199,6 +199,8 @@ class MixtureDataLoader(WorkerReads, BaseDataLoader):
     """The sources of ``data.sources`` mixed by weight (module docstring); built by ``DataConfig.build``
     whenever ``data.sources`` is set."""
 
+    mixes_sources = True
+
     def __init__(self, config: BaseDataLoader.Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         c = config

@@ -34,6 +34,7 @@ the generic ``PreTrainedTokenizerFast`` / ``TokenizersBackend`` folders (GLM, Ll
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from abc import ABC, abstractmethod
@@ -53,6 +54,17 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 """Named special tokens; their strings are variables of the chat template (as in transformers)."""
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
+def tokenizer_fingerprint(folder: str) -> str:
+    """Digest of the files that decide how a tokenizer folder encodes (json and jinja files)."""
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(folder)):
+        if name.endswith((".json", ".jinja")):
+            h.update(name.encode())
+            with open(os.path.join(folder, name), "rb") as f:
+                h.update(hashlib.sha256(f.read()).digest())
+    return h.hexdigest()[:16]
 
 
 def compile_chat_template(source: str) -> Any:

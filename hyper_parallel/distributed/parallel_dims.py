@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hyper_parallel.config.manager import ConfigError
+from hyper_parallel.config.errors import ConfigError
 from hyper_parallel.config.parallelism import ParallelismConfig
 from hyper_parallel.protocols.sharding import MeshAxisName
 

@@ -28,7 +28,8 @@ from collections.abc import Sequence
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from hyper_parallel.config.manager import ConfigError, ConfigManager
+from hyper_parallel.config.errors import ConfigError
+from hyper_parallel.config.manager import ConfigManager
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.dry_run.advice import fit_advice
 from hyper_parallel.dry_run.layout import ShardCensus, optimizer_state_layout, param_layouts, rank_memory

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hyper_parallel.data.cache import cached_build, spec_digest
-from hyper_parallel.data.direct_token import DirectTokenWriter
+from hyper_parallel.data.direct_token.writer import DirectTokenWriter
 
 __all__ = ["ToyCorpusSpec", "cached_toy_corpus", "make_toy_samples", "write_toy_corpus"]
 

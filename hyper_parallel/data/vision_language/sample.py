@@ -51,8 +51,7 @@ from hyper_parallel.data.bad_samples import (
 from hyper_parallel.data.index import IndexSpec
 from hyper_parallel.data.packing import collate_packed, shift_labels
 from hyper_parallel.data.preset import register_batch_check
-from hyper_parallel.data.text_loader import _tokenizer_fingerprint
-from hyper_parallel.data.tokenizer import HuggingFaceTokenizer
+from hyper_parallel.data.tokenizer import HuggingFaceTokenizer, tokenizer_fingerprint
 from hyper_parallel.data.vision_language.mrope import mrope_position_ids
 from hyper_parallel.data.vision_language.preprocess import ImageError, ImageProcessor
 
@@ -452,7 +451,7 @@ def make_encoder(tokenizer: str, image: ImageProcessor.Config, facts: Mapping[st
     processor = image.build(
         patch_size=f["patch_size"], temporal_patch_size=f["temporal_patch_size"], merge_size=f["merge_size"]
     )
-    return VisionLanguageEncoder(tok, processor, **ids, tokenizer_fingerprint=_tokenizer_fingerprint(tok.folder))
+    return VisionLanguageEncoder(tok, processor, **ids, tokenizer_fingerprint=tokenizer_fingerprint(tok.folder))
 
 
 # -- preset_pt: saved vision-language micro-batches ---------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hyper_parallel.config.manager import ConfigError
+from hyper_parallel.config.errors import ConfigError
 from hyper_parallel.config.parallelism import ParallelismConfig
 from hyper_parallel.config.training import ActivationCheckpointConfig, CompileConfig, TrainingConfig
 from hyper_parallel.distributed.parallel_dims import ParallelDims

@@ -22,6 +22,7 @@ from hyper_parallel.models.qwen3_vl_moe_v2.state_dict import (
     CheckpointKeyError,
     ExpertsLayout,
     Qwen3VlMoeStateDictAdapter,
+    config_from_hf,
     load_hf_weights,
     save_hf_state_dict,
 )
@@ -58,6 +59,7 @@ def from_pretrained(
         dtype=dtype,
         device=device,
         config_overrides=config_overrides,
+        config_from_hf=config_from_hf,
         experts_layout=experts_layout,
     )
 

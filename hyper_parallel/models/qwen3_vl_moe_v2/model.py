@@ -90,19 +90,6 @@ class Qwen3VlMoeModel(Decoder):
             """Which HF text model the layers are (see the module docstring)."""
             return text_family_of(self)
 
-        @classmethod
-        def from_hf(cls, hf: dict[str, Any]) -> Qwen3VlMoeModel.Config:
-            """From an HF ``config.json`` dict (``qwen3_vl_moe`` or ``qwen3_5_moe`` with text and vision configs)."""
-            from hyper_parallel.models.qwen3_vl_moe_v2.state_dict import config_from_hf
-
-            return config_from_hf(hf)
-
-        def to_hf(self) -> dict[str, Any]:
-            """The HF ``config.json`` dict (``Qwen3VLMoe`` / ``Qwen3_5Moe`` ``ForConditionalGeneration``)."""
-            from hyper_parallel.models.qwen3_vl_moe_v2.state_dict import config_to_hf
-
-            return config_to_hf(self)
-
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.visual = config.visual.build(out_dim=config.dim)

@@ -11,7 +11,7 @@ tower is not split (its attention core is not named ``inner_attention``); see ``
 
 from __future__ import annotations
 
-from hyper_parallel.config.manager import ConfigError
+from hyper_parallel.config.errors import ConfigError
 from hyper_parallel.config.parallelism import ParallelismConfig
 from hyper_parallel.config.training import ActivationCheckpointConfig, CompileConfig, TrainingConfig
 from hyper_parallel.distributed.parallel_dims import ParallelDims

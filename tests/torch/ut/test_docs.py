@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hyper_parallel.config import docgen
+from tools import docgen
 from hyper_parallel.config.legacy import LEGACY_KEYS
 
 REPO = Path(__file__).resolve().parents[3]
@@ -81,7 +81,7 @@ def test_doc_runner_reports_the_failing_block(tmp_path):
 
 def test_generated_tables_are_up_to_date():
     stale = docgen.stale_docs(REPO, write=False)
-    assert not stale, f"{stale} out of date: run python -m hyper_parallel.config.docgen"
+    assert not stale, f"{stale} out of date: run python -m tools.docgen"
 
 
 def test_docgen_detects_and_fixes_drift(tmp_path):

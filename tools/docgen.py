@@ -6,8 +6,8 @@
 
 Each table sits between ``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATED: name -->``::
 
-    python -m hyper_parallel.config.docgen          # rewrite the generated parts of both docs
-    python -m hyper_parallel.config.docgen --check  # exit 1 naming every doc that is out of date
+    python -m tools.docgen          # rewrite the generated parts of both docs
+    python -m tools.docgen --check  # exit 1 naming every doc that is out of date
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ __all__ = [
     "stale_docs",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ("glm_image_moe", "glm_image_moe_debug")
 
 
@@ -182,7 +182,7 @@ def config_field_tables(config: Any | None = None) -> str:
     _walk(config, "", seen, instances, defer=("model",))
     module_config = _module_config()
     lines: list[str] = [
-        f"由 `python -m hyper_parallel.config.docgen` 从配方 `{RECIPE[1]}` 的配置树生成，请勿手改。"
+        f"由 `python -m tools.docgen` 从配方 `{RECIPE[1]}` 的配置树生成，请勿手改。"
         "“glm_image_moe_debug” 列是该配方给出的值；同一个类在树中出现多次且取值不同（如各层的 `mlp`）时只列默认值。",
         "",
     ]
@@ -212,7 +212,7 @@ def migration_table() -> str:
     from hyper_parallel.config.legacy import LEGACY_KEYS
 
     rows = [
-        "Generated from `hyper_parallel.config.legacy.LEGACY_KEYS` by `python -m hyper_parallel.config.docgen`; "
+        "Generated from `hyper_parallel.config.legacy.LEGACY_KEYS` by `python -m tools.docgen`; "
         "do not edit by hand.",
         "",
         "| v1 key | new field (command line) | conversion |",
@@ -263,12 +263,12 @@ def stale_docs(root: Path = REPO_ROOT, *, write: bool = False) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hyper_parallel.config.docgen", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.docgen", description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="only check; exit 1 when a doc is out of date")
     args = parser.parse_args(argv)
     stale = stale_docs(write=not args.check)
     for rel in stale:
-        print(f"{rel}: {'out of date; run python -m hyper_parallel.config.docgen' if args.check else 'updated'}")
+        print(f"{rel}: {'out of date; run python -m tools.docgen' if args.check else 'updated'}")
     if not stale:
         print("docs are up to date")
     return 1 if (stale and args.check) else 0

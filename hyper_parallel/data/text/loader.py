@@ -158,17 +158,6 @@ class TextShardWriter(ShardWriter):
 
 
 # -- raw files -> cached shards ------------------------------------------------------------------
-def _tokenizer_fingerprint(folder: str) -> str:
-    """Digest of the files that decide how a tokenizer folder encodes (json and jinja files)."""
-    h = hashlib.sha256()
-    for name in sorted(os.listdir(folder)):
-        if name.endswith((".json", ".jinja")):
-            h.update(name.encode())
-            with open(os.path.join(folder, name), "rb") as f:
-                h.update(hashlib.sha256(f.read()).digest())
-    return h.hexdigest()[:16]
-
-
 @dataclass(slots=True)
 class TokenizedFile:
     """The cached shards of one raw file, and what tokenising it rejected."""
@@ -194,12 +183,12 @@ def tokenize_to_shards(
     meanwhile is reused. Each file's shards go to a temporary folder renamed into place, so a file
     is either fully cached or not at all.
     """
-    from hyper_parallel.data.text import iter_text_documents
-    from hyper_parallel.data.tokenizer import HuggingFaceTokenizer
+    from hyper_parallel.data.text.records import iter_text_documents
+    from hyper_parallel.data.tokenizer import HuggingFaceTokenizer, tokenizer_fingerprint
 
     root = os.path.join(os.path.expanduser(cache_dir), "text_tokens")
     os.makedirs(root, exist_ok=True)
-    tok_print = _tokenizer_fingerprint(os.path.expanduser(tokenizer))
+    tok_print = tokenizer_fingerprint(os.path.expanduser(tokenizer))
     spec_json = json.dumps(
         {k: getattr(record_spec, k) for k in ("text_column", "chat_column", "key_column", "append_eos")}, sort_keys=True
     )
