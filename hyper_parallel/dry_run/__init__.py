@@ -31,7 +31,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from hyper_parallel.config.errors import ConfigError
 from hyper_parallel.config.manager import ConfigManager
 from hyper_parallel.distributed.parallel_dims import ParallelDims
+from hyper_parallel.config.dtypes import to_torch_dtype
 from hyper_parallel.dry_run.advice import fit_advice
+from hyper_parallel.dry_run.hf_memory import hf_io_memory
 from hyper_parallel.dry_run.layout import ShardCensus, optimizer_state_layout, param_layouts, rank_memory
 from hyper_parallel.dry_run.report import CommVolume, DryRunReport, format_report
 from hyper_parallel.dry_run.simulation import SimulationMode
@@ -106,6 +108,10 @@ def dry_run(
             "gradient norm, expert load) are not counted"
         ],
     )
+    report.hf_io = hf_io_memory(
+        census, world_size=world_size,
+        export_itemsize=to_torch_dtype(config.checkpoint.export_dtype, field="checkpoint.export_dtype").itemsize,
+    )  # fmt: skip
     if config.compile.enable:
         report.notes.append("torch.compile is not simulated: the step ran eagerly (compiled kernels may need less)")
     if simulate:

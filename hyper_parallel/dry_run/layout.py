@@ -73,6 +73,10 @@ class RankMemory:
     """Unpadded parameter elements this rank holds (its shards of every parameter)."""
     outside_fsdp: int = 0
     """Part of ``params`` FSDP does not manage (ignored parameters such as a frozen codebook)."""
+    local_bytes: int = 0
+    """Unpadded bytes of this rank's shards (what an HF load reads for it)."""
+    largest_local: int = 0
+    """Bytes of this rank's largest shard of one parameter."""
 
     @property
     def static(self) -> int:
@@ -89,6 +93,8 @@ class ShardCensus:
     """Sum over parameters of the elements of every distinct shard (each counted once, whoever holds it)."""
     replicated_numel: int = field(default=0)
     """Sum over ranks of the local elements: ``distinct_shard_numel`` times the average replication."""
+    largest_numel: int = field(default=0)
+    """Elements of the largest parameter (an export gathers one whole parameter at a time)."""
 
 
 def _fsdp_padded_numels(model: nn.Module) -> dict[int, int]:
@@ -190,6 +196,8 @@ def rank_memory(
             n = _numel(shape)
             stored = layout.padded_local_numel if layout.padded_local_numel is not None else n
             mem.local_numel += n
+            mem.local_bytes += n * layout.itemsize
+            mem.largest_local = max(mem.largest_local, n * layout.itemsize)
             mem.params += stored * layout.itemsize
             if layout.padded_local_numel is None:
                 mem.outside_fsdp += n * layout.itemsize
@@ -201,6 +209,7 @@ def rank_memory(
         model_numel=sum(layout.numel for layout in layouts),
         distinct_shard_numel=distinct,
         replicated_numel=sum(m.local_numel for m in ranks),
+        largest_numel=max((layout.numel for layout in layouts), default=0),
     )
 
 

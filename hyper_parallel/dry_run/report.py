@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hyper_parallel.dry_run.hf_memory import HFIOMemory
 from hyper_parallel.dry_run.layout import RankMemory
 
-__all__ = ["CommVolume", "DryRunReport", "format_report"]
+__all__ = ["CommVolume", "DryRunReport", "format_hf_io", "format_report"]
 
 GIB = float(1 << 30)
 
@@ -61,6 +62,8 @@ class DryRunReport:
     depths: tuple[int, ...] = ()
     """Layer counts the step was simulated at (two: scaled to full depth)."""
     comm: list[CommVolume] = field(default_factory=list)
+    hf_io: list[HFIOMemory] = field(default_factory=list)
+    """Host memory of the HF load and export per rank (``hf_memory.py``)."""
     advice: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -171,6 +174,8 @@ def format_report(report: DryRunReport) -> str:
                 f"  {c.kind:<16}{c.axis:<20}{c.group_size:>6}{c.calls:>8.0f}{c.nbytes / csize:>12.3f}"
                 f"{c.sent_bytes / csize:>12.3f}"
             )
+    if r.hf_io:
+        lines += ["", *format_hf_io(r.hf_io)]
     verdict = r.fits
     lines.append("")
     if verdict is None:
@@ -180,3 +185,20 @@ def format_report(report: DryRunReport) -> str:
     lines += [f"  {a}" for a in r.advice]
     lines += [f"note: {n}" for n in r.notes]
     return "\n".join(lines)
+
+
+def format_hf_io(rows: list[HFIOMemory]) -> list[str]:
+    """The HF load/export host-memory table (ranks with equal numbers share a row)."""
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for m in rows:
+        groups.setdefault((m.read, m.load_host, m.export_host), []).append(m.rank)
+    unit, size = _unit(max(max(k) for k in groups))
+    lines = [
+        f"HF checkpoint I/O, host memory per rank ({unit}): the load reads only the rank's shards (CPU runs: straight "
+        "into them; accelerators: through one staging buffer); the export gathers one parameter at a time and each "
+        "rank writes its own files",
+        f"  {'ranks':<14}{'load reads':>12}{'load host':>12}{'export host':>13}",
+    ]
+    for (read, load, export), ranks in sorted(groups.items(), key=lambda kv: kv[1]):
+        lines.append(f"  {_rank_ranges(ranks):<14}{read / size:>12.2f}{load / size:>12.2f}{export / size:>13.2f}")
+    return lines

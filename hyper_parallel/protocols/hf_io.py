@@ -2,8 +2,14 @@
 
 A model package keeps its own key mapping (its ``StateDictAdapter``) and calls these for the rest:
 reading ``config.json``, checking converted keys and shapes against the model (one error that lists
-every problem), fusing / splitting per-expert weights, building a model from an HF folder, and the
-``save_pretrained`` plumbing (state dict or EMA weights, kept passthrough keys).
+every problem), fusing / splitting per-expert weights, loading an HF folder into a whole or a sharded
+model (``load_checked``: each rank reads only its shards, see ``hf_storage``), building a model from an HF
+folder, and the ``save_pretrained`` plumbing (state dict or EMA weights, kept passthrough keys; written
+one tensor at a time by ``save_converted``).
+
+The adapters' HF -> ours mappings run on lazy tensors (``hf_storage.HFTensor``) as well as on real ones:
+they combine tensors only with ``stack``, ``cat``, ``permute_rows`` (here) and ``.transpose`` /
+``.reshape``, so a conversion is planned from the files' headers and each rank then reads its own slices.
 """
 
 from __future__ import annotations
@@ -19,21 +25,41 @@ from typing import Any, TypeVar
 
 import torch
 
-from hyper_parallel.protocols.state_dict_adapter import BaseStateDictAdapter, read_safetensors
+from hyper_parallel.protocols.hf_storage import (
+    HFCheckpointError,
+    HFFolder,
+    HFTensor,
+    cat,
+    load_tensor_,
+    permute_rows,
+    save_converted,
+    stack,
+    writes_once,
+)
+from hyper_parallel.protocols.state_dict_adapter import BaseStateDictAdapter
 
 __all__ = [
     "CheckedStateDictAdapter",
     "CheckpointKeyError",
+    "HFCheckpointError",
     "HFLoadResult",
+    "HFTensor",
     "build_from_hf",
+    "cat",
     "check_keys",
     "full_tensor",
     "fuse_experts",
     "load_checked",
+    "load_tensor_",
+    "model_state_dict",
+    "permute_rows",
     "raise_problems",
     "read_hf_config",
+    "save_converted",
     "save_with_model",
     "split_experts",
+    "stack",
+    "writes_once",
 ]
 
 M = TypeVar("M")
@@ -109,8 +135,12 @@ def check_keys(
         have, want = tuple(got[key].shape), tuple(expected[key])
         if have != want:
             hint = shape_hint(key) if shape_hint is not None else ""
-            problems.append(f"shape: {key} is {list(have)}, the model expects {list(want)}{hint}")
+            problems.append(f"shape: {key} is {list(have)}{_where(got[key])}, the model expects {list(want)}{hint}")
     return problems
+
+
+def _where(t: Any) -> str:
+    return f" (in {t.location})" if isinstance(t, HFTensor) else ""
 
 
 def raise_problems(problems: list[str], what: str) -> None:
@@ -155,31 +185,60 @@ def fuse_experts(
         if gaps:
             missing += gaps
             continue
-        gate = torch.stack([parts["gate_proj"][e] for e in range(n)])
-        up = torch.stack([parts["up_proj"][e] for e in range(n)])
-        out[f"layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
-        out[f"layers.{layer}.mlp.experts.down_proj"] = torch.stack([parts["down_proj"][e] for e in range(n)])
+        # stack / cat: lazy when the parts are (an expert-parallel rank then reads only its experts)
+        gate = stack([parts["gate_proj"][e] for e in range(n)])
+        up = stack([parts["up_proj"][e] for e in range(n)])
+        out[f"layers.{layer}.mlp.experts.gate_up_proj"] = cat([gate, up], dim=1)
+        out[f"layers.{layer}.mlp.experts.down_proj"] = stack([parts["down_proj"][e] for e in range(n)])
     return missing
 
 
 R = TypeVar("R", bound=HFLoadResult)
 
 
-def load_checked(
-    model: Any, path: str | os.PathLike, convert: Callable[[dict[str, torch.Tensor], dict[str, torch.Size]], R]
-) -> R:
-    """Load an HF folder's safetensors into a whole ``model`` in place and return what ``convert`` made of them.
+def model_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` under the model's own names (activation-checkpoint and compile wrappers
+    dropped); a parallelized model's entries are its DTensors, whose local shards the load fills in place."""
+    return {
+        k.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): v for k, v in model.state_dict().items()
+    }
 
-    ``convert(hf_state_dict, expected)`` (``expected``: the model's key -> shape; e.g. an adapter's
-    ``from_hf_checked``) raises on any bad key or shape, so nothing is copied from a checkpoint that does
-    not fit. Its ``passthrough`` (HF keys the model does not represent) is kept on ``model.hf_passthrough``
-    for the export.
+
+def _dtype_problems(got: dict[str, Any], ours: dict[str, torch.Tensor]) -> list[str]:
+    problems = []
+    for key in sorted(got.keys() & ours.keys()):
+        have, want = got[key].dtype, ours[key].dtype
+        if have.is_floating_point != want.is_floating_point or (have == torch.bool) != (want == torch.bool):
+            problems.append(f"dtype: {key} is {have}{_where(got[key])}, the model holds {want}")
+    return problems
+
+
+def load_checked(
+    model: Any,
+    path: str | os.PathLike,
+    convert: Callable[[dict[str, Any], dict[str, torch.Size]], R],
+    *,
+    init_missing: Callable[[], None] | None = None,
+) -> R:
+    """Load an HF folder into ``model`` (whole, or parallelized: DTensor shards) in place; return what
+    ``convert`` made of it.
+
+    ``convert(hf_state_dict, expected)`` (an adapter's ``from_hf_checked``; ``expected``: our key -> global
+    shape) runs on the folder's lazy tensors and raises on any bad key or shape; dtypes are checked too, so
+    nothing is copied from a checkpoint that does not fit. Each rank then reads only the slices its own
+    shards cover. ``init_missing`` runs first when the checkpoint does not fill every key (the parts it
+    lacks keep that initialisation). The ``passthrough`` (HF keys the model does not represent) is kept on
+    ``model.hf_passthrough`` as lazy references to the folder's files: the export reads them again.
     """
-    ours = model.state_dict()
-    result = convert(read_safetensors(path), {k: v.shape for k, v in ours.items()})
-    with torch.no_grad():
-        for key, t in result.state_dict.items():
-            ours[key].copy_(t)
+    folder = HFFolder.open(path)
+    ours = model_state_dict(model)
+    result = convert(dict(folder.tensors), {k: v.shape for k, v in ours.items()})
+    raise_problems(_dtype_problems(result.state_dict, ours), f"checkpoint {folder.path}")
+    if init_missing is not None and result.state_dict.keys() != ours.keys():
+        init_missing()
+        ours = model_state_dict(model)
+    for key, src in result.state_dict.items():
+        load_tensor_(ours[key], src)
     model.hf_passthrough = dict(result.passthrough)
     return result
 

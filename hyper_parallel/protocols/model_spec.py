@@ -54,10 +54,13 @@ class ModelSpec:
     """``from_pretrained(path, **overrides) -> model``: build a model from an HF folder."""
     save_pretrained: Callable[..., Any] | None = None
     """``save_pretrained(model, path, *, state_dict=None, dtype=None)``: write the HF format (``state_dict``
-    replaces the model's weights, e.g. gathered or EMA weights); the trainer's ``--checkpoint.export_hf``."""
+    replaces the model's weights, e.g. EMA weights; with sharded DTensors every rank calls it and writes its
+    own files); the trainer's ``--checkpoint.export_hf``."""
     load_hf_weights: Callable[[Any, str], Any] | None = None
-    """``load_hf_weights(full_model, path)``: load an HF folder into a whole (unsharded) model in place,
-    keeping keys it does not model for the export; the trainer's ``--checkpoint.initial_load_path``."""
+    """``load_hf_weights(model, path, *, init_missing=None)``: load an HF folder into a whole or a parallelized
+    model in place (each rank reads only its shards; ``init_missing()`` runs first when the folder does not fill
+    every parameter), keeping keys it does not model for the export; the trainer's
+    ``--checkpoint.initial_load_path``."""
     validate_layout: Callable[[Any, Any], None] | None = None
     """``validate_layout(model_config, parallel_dims)``: raise, naming the degree to change, when the layout
     does not fit the model; runs before anything is built."""

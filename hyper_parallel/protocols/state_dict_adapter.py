@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from abc import ABC, abstractmethod
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-__all__ = ["BaseStateDictAdapter", "parse_size", "read_safetensors", "write_safetensors"]
+from hyper_parallel.protocols.hf_storage import SAFE_INDEX, SAFE_SINGLE, HFFolder, save_converted
 
-SAFE_INDEX = "model.safetensors.index.json"
-SAFE_SINGLE = "model.safetensors"
+__all__ = ["SAFE_INDEX", "SAFE_SINGLE", "BaseStateDictAdapter", "parse_size", "read_safetensors", "write_safetensors"]
 
 
 def parse_size(size: int | str) -> int:
@@ -42,71 +37,24 @@ def write_safetensors(
 ) -> list[str]:
     """Write ``state_dict`` as HF safetensors: one file, or shards plus ``model.safetensors.index.json``.
 
-    Returns the written file names. Tensors must be full (not sharded DTensors).
+    Returns the written file names. Tensors must be full (not sharded DTensors); to write a sharded model
+    from every rank, see ``hf_storage.save_converted``.
     """
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    limit = parse_size(max_shard_size)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key in sorted(state_dict):
-        t = state_dict[key]
+    for key, t in state_dict.items():
         if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
             raise TypeError(f"{key}: write_safetensors needs full plain tensors, got {type(t).__name__}")
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append({})
-            size = 0
-        # clone: safetensors refuses tensors that share storage or are non-contiguous views
-        shards[-1][key] = t.detach().to("cpu").contiguous().clone()
-        size += nbytes
-    meta = {"format": "pt", **(metadata or {})}
-    for stale in list(path.glob("model*.safetensors")) + [path / SAFE_INDEX]:
-        if stale.exists():
-            stale.unlink()
-    if len(shards) == 1:
-        save_file(shards[0], str(path / SAFE_SINGLE), metadata=meta)
-        return [SAFE_SINGLE]
-    names, weight_map, total = [], {}, 0
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / name), metadata=meta)
-        names.append(name)
-        for key, t in shard.items():
-            weight_map[key] = name
-            total += t.numel() * t.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (path / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
-    return names + [SAFE_INDEX]
+    return save_converted(
+        state_dict, lambda sd: sd, path, max_shard_size=parse_size(max_shard_size), metadata=metadata
+    )
 
 
 def read_safetensors(path: str | os.PathLike, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Read every tensor of an HF checkpoint folder (sharded with index, or single file) or one file."""
-    path = Path(path)
-    if path.is_file():
-        files = [path]
-    elif (path / SAFE_INDEX).is_file():
-        index = json.loads((path / SAFE_INDEX).read_text())
-        if "weight_map" not in index:
-            raise ValueError(f"{path / SAFE_INDEX}: no 'weight_map' in the index")
-        files = sorted({path / f for f in index["weight_map"].values()})
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{path / SAFE_INDEX} names shard files that do not exist: {missing}")
-    elif (path / SAFE_SINGLE).is_file():
-        files = [path / SAFE_SINGLE]
-    else:
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{path}: no {SAFE_INDEX}, {SAFE_SINGLE} or *.safetensors file")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt", device=str(device)) as reader:
-            for key in reader.keys():
-                if key in out:
-                    raise ValueError(f"{f}: tensor {key!r} appears in more than one shard")
-                out[key] = reader.get_tensor(key)
-    return out
+    """Read every tensor of an HF checkpoint folder (sharded with index, or single file) or one file.
+
+    A broken folder raises ``HFCheckpointError`` naming the file (truncated, not safetensors, a shard the
+    index names that is missing or lacks its tensors).
+    """
+    return {key: t.read().to(device) for key, t in HFFolder.open(path).tensors.items()}
 
 
 class BaseStateDictAdapter(ABC):
