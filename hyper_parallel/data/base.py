@@ -90,6 +90,14 @@ class BaseDataLoader(Configurable):
         """text: the column (field) of raw records that holds the document text."""
         split_long_documents: bool = False
         """text: cut documents longer than max_tokens_per_microbatch into pieces of at most that many tokens instead of treating them as bad samples."""
+        chat_column: str = ""
+        """text: the column of raw records that holds a conversation (a list of {role, content} messages), rendered with the tokenizer's chat template; empty = plain text from text_column."""
+        loss_on: Literal["document", "assistant", "all"] = "document"
+        """text, vision_language: which tokens train. `document`: a conversation trains its assistant turns (content, reasoning, tool calls, end token), plain text every token; `assistant`: assistant turns only (a record without one is a no_assistant bad sample); `all`: every token (image tokens never train)."""
+        system_prompt: str = ""
+        """text, vision_language: a system message put first in every conversation that has none (empty: none)."""
+        long_conversations: Literal["drop", "cut"] = "drop"
+        """text, vision_language: a conversation longer than max_tokens_per_microbatch: `drop` = a too_long bad sample (on_bad_sample: error, or skip and count); `cut` = keep it up to its last assistant turn that fits (counted in data/conversations_cut)."""
         sources: list[SourceConfig] = field(default_factory=list)
         """A weighted mixture of sources (run file: `[[data.sources]]` entries with name, source, path, weight and own options); when set, data.source and data.path are unused. Empty = the single source data.source/data.path."""
 

@@ -83,12 +83,17 @@ def parse_sources(entries: Sequence[SourceConfig | Mapping[str, Any]]) -> list[S
         weight = entry.weight
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
             raise ValueError(f"{where}: weight={weight!r} must be a number > 0")
-        if entry.loss_on not in ("document", "image", "text"):
-            raise ValueError(f"{where}: loss_on={entry.loss_on!r} must be one of document, image, text")
-        if entry.loss_on != "document" and entry.source != "direct_token":
+        if entry.loss_on not in ("", "document", "assistant", "all", "image", "text"):
+            raise ValueError(f"{where}: loss_on={entry.loss_on!r} must be one of document, assistant, all, image, text")
+        if entry.loss_on in ("image", "text") and entry.source != "direct_token":
             raise ValueError(
                 f"{where}: loss_on={entry.loss_on!r} needs image and text targets in one stream (source "
-                f"direct_token); a {entry.source} source trains on its documents' own labels (loss_on document)"
+                f"direct_token); a {entry.source} source takes loss_on document, assistant or all"
+            )
+        if entry.loss_on in ("assistant", "all") and entry.source == "direct_token":
+            raise ValueError(
+                f"{where}: loss_on={entry.loss_on!r} is for conversations (text, vision_language); a direct_token "
+                "source takes loss_on document, image or text"
             )
         if entry.on_bad_sample not in ("", "error", "skip"):
             raise ValueError(f"{where}: on_bad_sample={entry.on_bad_sample!r} must be error, skip or empty")
@@ -234,6 +239,9 @@ class MixtureDataLoader(WorkerReads, BaseDataLoader):
             "tokenizer": src.tokenizer or c.tokenizer,
             "text_column": src.text_column or c.text_column,
             "split_long_documents": src.split_long_documents or c.split_long_documents,
+            "chat_column": src.chat_column or c.chat_column,
+            # image/text act on a direct_token stream here (_finish); the others are the source's own
+            "loss_on": src.loss_on if src.loss_on in ("document", "assistant", "all") else c.loss_on,
         }
         child_config = dataclasses.replace(c, **overrides)
         try:
@@ -285,7 +293,7 @@ class MixtureDataLoader(WorkerReads, BaseDataLoader):
         s = self._schedule.entry(g)[0]
         labels = batch["labels"]
         loss_on = self.sources[s].loss_on
-        if loss_on != "document":
+        if loss_on in ("image", "text"):
             image = labels >= self._vocab[s]  # DirectToken image targets are code + vocab_size
             drop = (labels != IGNORE_INDEX) & (~image if loss_on == "image" else image)
             batch["labels"] = labels.masked_fill(drop, IGNORE_INDEX)

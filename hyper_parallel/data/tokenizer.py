@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ from tokenizers import AddedToken, Tokenizer
 
 from hyper_parallel.config.configurable import Configurable
 
-__all__ = ["BaseTokenizer", "HuggingFaceTokenizer", "compile_chat_template"]
+__all__ = ["BaseTokenizer", "HuggingFaceTokenizer", "compile_chat_template", "render_template", "tokenizer_fingerprint"]
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 """Named special tokens; their strings are variables of the chat template (as in transformers)."""
@@ -67,11 +68,37 @@ def tokenizer_fingerprint(folder: str) -> str:
     return h.hexdigest()[:16]
 
 
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+"""Matches transformers' ``{% generation %}`` tag (assistant spans marked by the template itself)."""
+
+
+class _GenerationTracker:
+    """Records the character spans of ``{% generation %}`` blocks while a template renders.
+
+    Same rule as transformers' ``AssistantTracker``: a block starts at the length of everything the
+    template has emitted so far (the render runs through ``Template.generate``, so output before the
+    block has been yielded and counted) and spans the block's own output.
+    """
+
+    def __init__(self) -> None:
+        self.blocks: list[str] | None = None
+        self.spans: list[tuple[int, int]] | None = None
+
+    def record(self, rendered: str) -> None:
+        if self.blocks is not None and self.spans is not None:
+            start = sum(len(b) for b in self.blocks)
+            self.spans.append((start, start + len(rendered)))
+
+
 def compile_chat_template(source: str) -> Any:
-    """Compile a chat template in a sandbox set up like transformers' (so renders match exactly)."""
+    """Compile a chat template in a sandbox set up like transformers' (so renders match exactly).
+
+    The compiled template carries ``generation_tracker`` (see :func:`render_template`)."""
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    tracker = _GenerationTracker()
 
     class _Generation(jinja2.ext.Extension):
         # transformers' {% generation %} marks assistant spans for masks; the text is unchanged.
@@ -83,7 +110,9 @@ def compile_chat_template(source: str) -> Any:
             return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
 
         def _render(self, caller: Any) -> str:
-            return caller()
+            rendered = caller()
+            tracker.record(rendered)
+            return rendered
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
@@ -96,7 +125,23 @@ def compile_chat_template(source: str) -> Any:
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+    template = env.from_string(source)
+    template.generation_tracker = tracker
+    return template
+
+
+def render_template(template: Any, **variables: Any) -> tuple[str, list[tuple[int, int]]]:
+    """Render a :func:`compile_chat_template` template; returns the text and its ``{% generation %}`` spans."""
+    tracker: _GenerationTracker = template.generation_tracker
+    blocks: list[str] = []
+    spans: list[tuple[int, int]] = []
+    tracker.blocks, tracker.spans = blocks, spans
+    try:
+        for block in template.generate(**variables):
+            blocks.append(block)
+    finally:
+        tracker.blocks = tracker.spans = None
+    return "".join(blocks), spans
 
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -184,20 +229,37 @@ class BaseTokenizer(ABC, Configurable):
         Encode the result with ``add_special_tokens=False``: the template writes its own special
         tokens (this is what ``transformers``' ``apply_chat_template(tokenize=True)`` does).
         """
+        return self.render_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)[0]
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False, **kwargs: Any
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """:meth:`apply_chat_template` plus the character spans of the template's ``{% generation %}``
+        blocks (empty when it has none). ``kwargs`` are template variables (``tools``, ``enable_thinking``)."""
         if self.chat_template is None:
             raise ValueError(f"{self!r} has no chat template: render chats elsewhere or use plain text")
         compiled = getattr(self, "_compiled_chat_template", None)
         if compiled is None:
             compiled = compile_chat_template(self.chat_template)
             self._compiled_chat_template = compiled
-        variables = {**self.special_token_strings(), **kwargs}
-        return compiled.render(
-            messages=_normalize_messages(messages),
-            tools=None,
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
-            **variables,
+        variables = {"tools": None, "documents": None, **self.special_token_strings(), **kwargs}
+        return render_template(
+            compiled, messages=_normalize_messages(messages), add_generation_prompt=add_generation_prompt, **variables
         )
+
+    @property
+    def has_generation_marks(self) -> bool:
+        """Whether the chat template marks assistant text with ``{% generation %}`` (transformers' masks)."""
+        return self.chat_template is not None and GENERATION_TAG.search(self.chat_template) is not None
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of ``text`` without special tokens added, and each token's ``(start, end)`` characters in it."""
+        raise NotImplementedError(f"{type(self).__name__} gives no token offsets")
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special tokens (control tokens such as ``<|im_end|>``; never ordinary text)."""
+        return frozenset()
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -347,3 +409,11 @@ class HuggingFaceTokenizer(BaseTokenizer):
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, [tuple(o) for o in encoding.offsets]
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)

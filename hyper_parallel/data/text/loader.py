@@ -14,10 +14,21 @@
   with ``on_bad_sample=error`` the loader stops naming file and row, with ``skip`` they count from
   the first step.
 
-An empty ``data.path`` uses the embedded toy text corpus and its tokenizer. From the shards on it is
+An empty ``data.path`` uses the embedded toy text corpus and its tokenizer (its conversations when
+``data.chat_column`` is set). From the shards on it is
 the shared shard machinery (:mod:`.sharded`): a layout-independent global plan, reads by offset.
 Documents longer than ``max_tokens_per_microbatch`` are bad samples (``too_long``) or, with
 ``data.split_long_documents``, cut into pieces of at most that many tokens.
+
+**Chats** (``data.chat_column``): each record is a conversation rendered with the tokenizer's chat
+template; its shard record holds ``<key>.assistant_mask.npy`` (uint8 ``[L]``, 1 at the tokens of
+assistant turns, :mod:`hyper_parallel.data.chat`) next to its tokens (a pre-tokenised shard may carry
+one too). ``data.loss_on``: ``document`` (default) trains a chat on its assistant turns and plain text
+on every token; ``assistant`` trains assistant turns only (a record without any is a ``no_assistant``
+bad sample); ``all`` trains every token. A conversation longer than the micro-batch is a
+``too_long`` bad sample with ``data.long_conversations=drop`` (stops the run, or skipped and counted
+with ``on_bad_sample=skip``), or with ``cut`` ends after its last assistant turn that fits (counted in
+the metric ``data/conversations_cut``).
 """
 
 from __future__ import annotations
@@ -32,10 +43,11 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from hyper_parallel.data.bad_samples import BAD_SAMPLE_KINDS, BadSample, BadSampleError
+from hyper_parallel.data.bad_samples import BAD_SAMPLE_KINDS, IGNORE_INDEX, BadSample, BadSampleError
 from hyper_parallel.data.base import BaseDataLoader
 from hyper_parallel.data.cache import cached_build
-from hyper_parallel.data.index import IndexSpec
+from hyper_parallel.data.chat import resolve_loss_on
+from hyper_parallel.data.index import IndexSpec, load_stats
 from hyper_parallel.data.npy import load_npy
 from hyper_parallel.data.packing import TokenDocument, collate_packed, shift_labels
 from hyper_parallel.data.shards import resolve_shards
@@ -46,7 +58,7 @@ __all__ = ["TEXT_INDEX_SPEC", "HuggingFaceTextDataLoader", "TextCodec", "TextSha
 
 logger = logging.getLogger("hyper_parallel.data")
 
-TEXT_CACHE_VERSION = 1
+TEXT_CACHE_VERSION = 2
 """Bump when the tokenised-text cache layout changes, so stale caches are not reused."""
 
 TEXT_DOCS_PER_SHARD = 4096
@@ -59,23 +71,54 @@ _MISSING, _UNDECODABLE = -1, -2
 class TextStats:
     """Index statistics of a text record: its length (< 0: tokens missing or undecodable) and id range."""
 
-    columns: ClassVar[tuple[str, ...]] = ("length", "min_token", "max_token")
+    cut_at: int = 0
+    """> 0: a conversation longer than this is cut after its last assistant turn that fits (the index
+    then holds the cut length, and ``cut`` = 1)."""
+    columns: ClassVar[tuple[str, ...]] = ("length", "min_token", "max_token", "trained", "cut")
 
     def __call__(self, key: str, files: Mapping[str, bytes]) -> dict[str, int]:
+        none = {"min_token": 0, "max_token": -1, "trained": -1, "cut": 0}
         try:
             tokens = load_npy(files, "tokens.npy").astype(np.int64)
+            mask = load_mask(files, len(tokens))
         except BadSample as e:
-            return {"length": _MISSING if e.kind == "missing_file" else _UNDECODABLE, "min_token": 0, "max_token": -1}
+            return {"length": _MISSING if e.kind == "missing_file" else _UNDECODABLE, **none}
+        cut = 0
+        if mask is not None and self.cut_at and len(tokens) > self.cut_at:
+            end = conversation_cut(mask, self.cut_at)
+            if end:
+                tokens, mask, cut = tokens[:end], mask[:end], 1
         if not len(tokens):
-            return {"length": 0, "min_token": 0, "max_token": -1}
-        return {"length": len(tokens), "min_token": int(tokens.min()), "max_token": int(tokens.max())}
+            return {"length": 0, **none}
+        trained = -1 if mask is None else int(mask.sum())
+        return {"length": len(tokens), "min_token": int(tokens.min()), "max_token": int(tokens.max()),
+                "trained": trained, "cut": cut}  # fmt: skip
 
 
-TEXT_INDEX_SPEC = IndexSpec(kind="text/1", columns=TextStats.columns, stats=TextStats())
+def load_mask(files: Mapping[str, bytes], n: int) -> np.ndarray | None:
+    """The record's ``assistant_mask.npy`` as bool ``[n]`` (None when it has none; raises ``BadSample``)."""
+    if "assistant_mask.npy" not in files:
+        return None
+    mask = load_npy(files, "assistant_mask.npy")
+    if mask.shape != (n,):
+        raise BadSample("undecodable", f"assistant_mask.npy has shape {mask.shape}, its tokens {n}")
+    return mask.astype(bool)
+
+
+def conversation_cut(mask: np.ndarray, max_tokens: int) -> int:
+    """Length of a conversation cut after its last assistant turn that ends within ``max_tokens`` (0: none)."""
+    ends = np.flatnonzero(mask[:-1] & ~mask[1:]) + 1  # a turn ends where the mask falls ...
+    ends = np.append(ends, len(mask)) if len(mask) and mask[-1] else ends  # ... or at the very end
+    fit = ends[ends <= max_tokens]
+    return int(fit[-1]) if len(fit) else 0
+
+
+TEXT_INDEX_SPEC = IndexSpec(kind="text/2", columns=TextStats.columns, stats=TextStats())
 """The index of text shards (written by :class:`TextShardWriter`, else built on first use)."""
 
-TEXT_BAD_KINDS = (*BAD_SAMPLE_KINDS, "missing_column", "bad_type")
-"""Kinds of bad text records (``missing_column``/``bad_type`` come from raw files)."""
+TEXT_BAD_KINDS = (*BAD_SAMPLE_KINDS, "missing_column", "bad_type", "bad_conversation", "no_assistant")
+"""Kinds of bad text records (``missing_column``/``bad_type``/``bad_conversation`` come from raw files;
+``no_assistant``: nothing to train with ``loss_on`` assistant)."""
 
 
 def _where(files: Mapping[str, bytes]) -> str:
@@ -94,6 +137,10 @@ class TextCodec:
     vocab_size: int
     max_tokens: int
     split_long: bool
+    loss_on: str = "document"
+    """``document`` | ``assistant`` | ``all`` (:func:`~hyper_parallel.data.chat.resolve_loss_on`)."""
+    cut_conversations: bool = False
+    """Cut a conversation longer than ``max_tokens`` after its last assistant turn that fits."""
     label: ClassVar[str] = "text"
 
     def decode(self, key: str, shard: str, files: Mapping[str, bytes], piece: int) -> TokenDocument:
@@ -101,6 +148,14 @@ class TextCodec:
             tokens = load_npy(files, "tokens.npy")
         except BadSample as e:
             raise BadSample(e.kind, e.detail + _where(files)) from None
+        try:
+            mask = load_mask(files, len(tokens))
+        except BadSample as e:
+            raise BadSample(e.kind, e.detail + _where(files)) from None
+        if mask is not None and self.cut_conversations and len(tokens) > self.max_tokens:
+            end = conversation_cut(mask, self.max_tokens)
+            if end:
+                tokens, mask = tokens[:end], mask[:end]
         n = len(tokens)
         if n == 0:
             raise BadSample("empty", "tokens.npy is empty" + _where(files))
@@ -118,7 +173,13 @@ class TextCodec:
                 "token_out_of_range",
                 f"token id {int(tokens[pos])} at position {pos} is outside [0, vocab_size={self.vocab_size}){_where(files)}",
             )
-        labels = shift_labels(tokens)
+        targets = tokens
+        if resolve_loss_on(self.loss_on, is_chat=mask is not None) == "assistant":
+            if mask is None or not mask.any():
+                what = "no assistant turn" if mask is not None else "no assistant_mask.npy (plain text)"
+                raise BadSample("no_assistant", f"loss_on assistant, but the record has {what}{_where(files)}")
+            targets = np.where(mask, tokens, IGNORE_INDEX)
+        labels = shift_labels(targets)
         lo, hi = piece * self.max_tokens, min(n, (piece + 1) * self.max_tokens)
         # A piece keeps the true next token as its last label: it is still the right target.
         return TokenDocument(key, shard, tokens[lo:hi].astype(np.int32), labels[lo:hi].astype(np.int32))
@@ -127,15 +188,21 @@ class TextCodec:
         return collate_packed(documents, pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
 
 
-def text_classify(stats: Mapping[str, np.ndarray], *, vocab_size: int, max_tokens: int, split_long: bool) -> np.ndarray:
+def text_classify(
+    stats: Mapping[str, np.ndarray], *, vocab_size: int, max_tokens: int, split_long: bool, loss_on: str = "all"
+) -> np.ndarray:
     """Kind code per record (0 good, ``1 + i`` for ``TEXT_BAD_KINDS[i]``), in :meth:`TextCodec.decode`'s order."""
     n = stats["length"]
+    trained = stats["trained"]  # -1: plain text (no mask)
+    # loss_on document trains a chat on its assistant turns; assistant does so for every record
+    needs_assistant = (trained >= 0) if loss_on == "document" else np.full(n.shape, loss_on == "assistant")
     rules = [
         (n == _MISSING, "missing_file"),
         (n == _UNDECODABLE, "undecodable"),
         (n == 0, "empty"),
         ((n > max_tokens) & (not split_long), "too_long"),
         ((stats["min_token"] < 0) | (stats["max_token"] >= vocab_size), "token_out_of_range"),
+        (needs_assistant & (trained <= 0), "no_assistant"),
     ]
     return np.select([c for c, _ in rules], [1 + TEXT_BAD_KINDS.index(k) for _, k in rules], default=0).astype(np.int64)
 
@@ -150,8 +217,12 @@ class TextShardWriter(ShardWriter):
     def _index_spec(self) -> IndexSpec:
         return TEXT_INDEX_SPEC
 
-    def write(self, key: str, tokens: np.ndarray, meta: Mapping[str, Any] | None = None) -> None:
+    def write(
+        self, key: str, tokens: np.ndarray, meta: Mapping[str, Any] | None = None, *, assistant_mask: np.ndarray | None = None
+    ) -> None:
         record: dict[str, Any] = {"tokens.npy": np.asarray(tokens, dtype=np.int32)}
+        if assistant_mask is not None:
+            record["assistant_mask.npy"] = np.asarray(assistant_mask, dtype=np.uint8)
         if meta:
             record["json"] = dict(meta)
         self._add(self._key(key), record)
@@ -190,7 +261,8 @@ def tokenize_to_shards(
     os.makedirs(root, exist_ok=True)
     tok_print = tokenizer_fingerprint(os.path.expanduser(tokenizer))
     spec_json = json.dumps(
-        {k: getattr(record_spec, k) for k in ("text_column", "chat_column", "key_column", "append_eos")}, sort_keys=True
+        {k: getattr(record_spec, k) for k in ("text_column", "chat_column", "key_column", "append_eos", "system_prompt")},
+        sort_keys=True,
     )
     loaded = None
     out: list[TokenizedFile | None] = [None] * len(files)
@@ -212,7 +284,8 @@ def tokenize_to_shards(
                 for doc in iter_text_documents(
                     [path], loaded, record_spec, on_bad_sample="skip", bad_counts=counts, on_skip=skipped.append
                 ):
-                    writer.write(f"{doc.row:010d}", doc.tokens, {"file": path, "row": doc.row, "key": doc.key})
+                    meta = {"file": path, "row": doc.row, "key": doc.key}
+                    writer.write(f"{doc.row:010d}", doc.tokens, meta, assistant_mask=doc.assistant_mask)
                     documents += 1
             with open(os.path.join(tmp, "manifest.json"), "w") as f:
                 json.dump(
@@ -266,7 +339,8 @@ class HuggingFaceTextDataLoader(ShardedDataLoader):
             from hyper_parallel.data.text import cached_toy_text
 
             toy = cached_toy_text(c.cache_dir)
-            path, tokenizer = toy.text_file, tokenizer or toy.tokenizer_dir
+            # a chat column names the embedded conversations (toy_chat.jsonl: {"id", "messages"})
+            path, tokenizer = toy.chat_file if self._chat_column() else toy.text_file, tokenizer or toy.tokenizer_dir
         return self._tokenize(path, tokenizer)
 
     def _tokenize(self, path: str, tokenizer: str) -> list[str]:
@@ -286,7 +360,9 @@ class HuggingFaceTextDataLoader(ShardedDataLoader):
                 f"data.tokenizer={tokenizer!r} produces ids up to {vocab - 1}, but the model's vocab_size is "
                 f"{self.vocab_size}: use the model's tokenizer (or a model with a larger vocabulary)"
             )
-        spec = TextRecordSpec(text_column=c.text_column)
+        spec = TextRecordSpec(
+            text_column=c.text_column, chat_column=self._chat_column() or None, system_prompt=self._option("system_prompt", "")
+        )
         start = self.dp_rank * len(files) // self.dp_world_size
         self.tokenized_files = tokenize_to_shards(files, tokenizer, spec, cache_dir=c.cache_dir, start=start)
         for t in self.tokenized_files:
@@ -304,18 +380,57 @@ class HuggingFaceTextDataLoader(ShardedDataLoader):
             raise BadSampleError(f"data.path={c.path!r} holds no usable text record (skipped: {self._startup_bad})")
         return shards
 
+    # -- chat options (read with defaults: a data config of another source may lack them) --------
+    def _option(self, name: str, default: Any) -> Any:
+        return getattr(self.config, name, default)
+
+    def _chat_column(self) -> str:
+        return self._option("chat_column", "")
+
+    def _cut(self) -> bool:
+        return self._option("long_conversations", "drop") == "cut"
+
     def _index_spec(self) -> IndexSpec:
-        return TEXT_INDEX_SPEC
+        if not self._cut():
+            return TEXT_INDEX_SPEC
+        cut_at = self.config.max_tokens_per_microbatch
+        stats = TextStats(cut_at=cut_at)
+        return IndexSpec(kind=TEXT_INDEX_SPEC.kind, columns=stats.columns, stats=stats, params={"cut_at": cut_at})
 
     def _classify(self, stats: Mapping[str, np.ndarray]) -> np.ndarray:
         c = self.config
         return text_classify(
-            stats, vocab_size=self.vocab_size, max_tokens=c.max_tokens_per_microbatch, split_long=c.split_long_documents
+            stats,
+            vocab_size=self.vocab_size,
+            max_tokens=c.max_tokens_per_microbatch,
+            split_long=c.split_long_documents,
+            loss_on=self._option("loss_on", "document"),
         )
 
     def _codec(self) -> TextCodec:
         c = self.config
-        return TextCodec(self.vocab_size, c.max_tokens_per_microbatch, c.split_long_documents)
+        loss_on = self._option("loss_on", "document")
+        return TextCodec(self.vocab_size, c.max_tokens_per_microbatch, c.split_long_documents, loss_on, self._cut())
+
+    def conversations_cut(self) -> int:
+        """Conversations of the corpus that are cut to fit the micro-batch (``long_conversations=cut``)."""
+        if not self._cut():
+            return 0
+        if getattr(self, "_conversations_cut", None) is None:
+            self._conversations_cut = sum(
+                int(load_stats(s.index_path, self.index_spec)["cut"].sum()) for s in self.table.shards
+            )
+        return self._conversations_cut
+
+    def metrics(self) -> dict[str, float]:
+        """For chats, adds ``data/too_long_skipped`` (conversations dropped for their length, so far) and
+        ``data/conversations_cut`` (conversations of the corpus cut to fit, with ``long_conversations=cut``)."""
+        out = super().metrics()
+        if self._chat_column():
+            out["data/too_long_skipped"] = float(self.bad_sample_counts.get("too_long", 0))
+            out["data/conversations_cut"] = float(self.conversations_cut())
+        return out
 
     def _order(self) -> dict[str, Any]:
-        return {**super()._order(), "vocab_size": self.vocab_size}
+        # loss_on changes labels only, not which records come: a resume may change it
+        return {**super()._order(), "vocab_size": self.vocab_size, "long_conversations": self._option("long_conversations", "drop")}

@@ -17,14 +17,17 @@ Reading, one file at a time so every document knows its file and row:
   Reading lines ourselves keeps every value's JSON type and names the bad line.
 
 A row is plain text (``spec.text_column``) or a chat (``spec.chat_column``: a list of
-``{"role", "content"}`` messages rendered with the tokenizer's chat template). Tokens:
+``{"role", "content"}`` messages, checked by :func:`~hyper_parallel.data.chat.check_conversation`,
+``spec.system_prompt`` prepended when it has no system message, and rendered with the tokenizer's
+chat template). Tokens:
 
 - text: ``tokenizer.encode(text)`` (the folder's bos/eos policy, see ``data/tokenizer.py``), then
   ``eos_id`` appended when ``spec.append_eos`` and the policy did not already end it with eos, so
   a model learns where documents end;
 - chat: ``tokenizer.encode(rendered, add_special_tokens=False)``, exactly what transformers'
   ``apply_chat_template(messages, tokenize=True)`` returns (the template writes its own special
-  tokens; nothing is appended).
+  tokens; nothing is appended); the document also carries ``assistant_mask`` (which tokens belong
+  to assistant turns, :func:`~hyper_parallel.data.chat.encode_chat`).
 
 A row is addressed by its 0-based index in its file (blank lines of a jsonl file are not rows).
 A bad record (kinds: :data:`TEXT_BAD_SAMPLE_KINDS`) raises
@@ -46,6 +49,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from hyper_parallel.data.bad_samples import BadSample, BadSampleError
+from hyper_parallel.data.chat import ChatTemplateError, check_conversation, encode_chat
 from hyper_parallel.data.tokenizer import BaseTokenizer, HuggingFaceTokenizer
 
 __all__ = [
@@ -59,13 +63,14 @@ __all__ = [
     "tokenize_text_files",
 ]
 
-TEXT_BAD_SAMPLE_KINDS = ("unreadable_shard", "undecodable", "empty", "missing_column", "bad_type")
+TEXT_BAD_SAMPLE_KINDS = ("unreadable_shard", "undecodable", "empty", "missing_column", "bad_type", "bad_conversation")
 """How a text record can be rejected (the keys of the bad-record counts):
 ``unreadable_shard`` the file (or its rest) cannot be read; ``undecodable`` a jsonl line that is not
 UTF-8 JSON, text the tokenizer cannot take, or a chat the template rejects; ``empty`` blank text or
 no messages; ``missing_column`` the row has no (or a null) text/chat column; ``bad_type`` the column
 holds the wrong type (text not a string, a chat not a list of messages with string roles, a jsonl
-line not an object)."""
+line not an object); ``bad_conversation`` a chat whose roles come in a wrong order, with an unknown
+role, or with a content part that is not text (see :data:`~hyper_parallel.data.chat.CHAT_BAD_KINDS`)."""
 
 TEXT_FILE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 """File suffix -> format (parquet and arrow are read by the HF ``datasets`` builder of that name)."""
@@ -86,6 +91,8 @@ class TextRecordSpec:
     """Column whose value names a record in messages (e.g. "id"); None or absent: the row index."""
     append_eos: bool = True
     """Append eos to plain-text documents unless the tokenizer's policy already ends them with it."""
+    system_prompt: str = ""
+    """Chats: a system message put first in every conversation that has none (empty: none added)."""
 
 
 class TextDocument(NamedTuple):
@@ -98,6 +105,8 @@ class TextDocument(NamedTuple):
     key: str
     tokens: np.ndarray
     """int32 ``[L]``; ``L = len(tokens)`` is the document length."""
+    assistant_mask: np.ndarray | None = None
+    """Chats: bool ``[L]``, True at the tokens of assistant turns; None for plain text."""
 
 
 @dataclass(slots=True)
@@ -232,7 +241,7 @@ def _check_text(record: Mapping[str, Any], spec: TextRecordSpec) -> str:
     return value
 
 
-def _render_chat(record: Mapping[str, Any], spec: TextRecordSpec, tokenizer: BaseTokenizer) -> str:
+def _chat_messages(record: Mapping[str, Any], spec: TextRecordSpec) -> list[dict[str, Any]]:
     column = spec.chat_column
     messages = record.get(column)
     if messages is None:
@@ -244,9 +253,9 @@ def _render_chat(record: Mapping[str, Any], spec: TextRecordSpec, tokenizer: Bas
     if not messages:
         raise _bad_sample("empty", f"{column!r} has no messages")
     try:
-        return tokenizer.apply_chat_template(messages)
-    except Exception as e:  # jinja raise_exception(), a template that needs other fields, ...
-        raise _bad_sample("undecodable", f"the chat template rejects {column!r} ({type(e).__name__}: {e})") from None
+        return check_conversation(messages, system_prompt=spec.system_prompt)[0]
+    except BadSample as e:
+        raise _bad_sample(e.kind, f"{column!r}: {e.detail}") from None
 
 
 def _key(record: Mapping[str, Any], row: int, spec: TextRecordSpec) -> str:
@@ -292,8 +301,9 @@ def iter_text_documents(
             on_skip(message)
 
     def flush(path: str, pending: list[tuple[int, str, str]]) -> Iterator[TextDocument]:
+        """Plain-text records, tokenised in one batch (the folder's bos/eos policy applies)."""
         texts = [t for _, _, t in pending]
-        add_special = spec.chat_column is None
+        add_special = True
         try:
             encoded = tokenizer.encode_batch(texts, add_special_tokens=add_special)
         except Exception:  # find the text the tokenizer cannot take (e.g. a lone surrogate)
@@ -307,10 +317,24 @@ def iter_text_documents(
         for (row, key, _), ids in zip(pending, encoded, strict=True):
             if ids is None:
                 continue
-            if not ids:  # e.g. a chat template that renders nothing for these messages
+            if not ids:
                 bad(path, row, key, _bad_sample("empty", "it encodes to no tokens"))
                 continue
-            yield TextDocument(path, row, key, np.asarray(ids + eos if add_special else ids, dtype=np.int32))
+            yield TextDocument(path, row, key, np.asarray(ids + eos, dtype=np.int32))
+
+    def chat_document(path: str, row: int, key: str, messages: list[dict[str, Any]]) -> TextDocument | None:
+        try:
+            encoded = encode_chat(tokenizer, messages)
+        except ChatTemplateError:
+            raise  # the template, not the record: an error naming the tokenizer folder
+        except Exception as e:  # noqa: BLE001 - jinja raise_exception(), a template that needs other fields, ...
+            detail = f"the chat template rejects {spec.chat_column!r} ({type(e).__name__}: {e})"
+            bad(path, row, key, _bad_sample("undecodable", detail))
+            return None
+        if not encoded.ids:  # e.g. a chat template that renders nothing for these messages
+            bad(path, row, key, _bad_sample("empty", "it encodes to no tokens"))
+            return None
+        return TextDocument(path, row, key, np.asarray(encoded.ids, dtype=np.int32), encoded.assistant_mask)
 
     for path in files:
         pending: list[tuple[int, str, str]] = []
@@ -320,9 +344,17 @@ def iter_text_documents(
                 continue
             key = _key(record, row, spec)
             try:
-                text = _check_text(record, spec) if spec.chat_column is None else _render_chat(record, spec, tokenizer)
+                if spec.chat_column is not None:
+                    messages = _chat_messages(record, spec)
+                else:
+                    text = _check_text(record, spec)
             except BadSample as e:
                 bad(path, row, key, e)
+                continue
+            if spec.chat_column is not None:
+                doc = chat_document(path, row, key, messages)
+                if doc is not None:
+                    yield doc
                 continue
             pending.append((row, key, text))
             if len(pending) == _BATCH:

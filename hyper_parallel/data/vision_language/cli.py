@@ -11,19 +11,26 @@ from typing import Any
 from hyper_parallel.data.shard_cli import add_shard_commands, iter_jsonl, print_check_report
 from hyper_parallel.data.vision_language.preprocess import ImageProcessor
 from hyper_parallel.data.vision_language.sample import VisionLanguageEncoder, make_encoder
+from hyper_parallel.data.vision_language.video import VideoProcessor
 
 __all__ = ["main"]
 
 
 def _iter_input(path: str, image_root: str | None) -> Iterator[dict[str, Any]]:
-    """Records of a .jsonl file; ``images`` are file paths (relative to ``image_root`` or the file's folder)."""
+    """Records of a .jsonl file; ``images`` and ``videos`` are file paths (relative to ``image_root`` or the
+    file's folder)."""
     root = image_root or os.path.dirname(os.path.abspath(path))
+
+    def read(paths: list[str]) -> list[bytes]:
+        out = []
+        for p in paths:
+            with open(os.path.join(root, p), "rb") as f:
+                out.append(f.read())
+        return out
+
     for record in iter_jsonl(path):
-        images = []
-        for p in record.pop("images", []):
-            with open(os.path.join(root, p), "rb") as im:
-                images.append(im.read())
-        yield {**record, "images": images}
+        images, videos = read(record.pop("images", [])), read(record.pop("videos", []))
+        yield {**record, "images": images, **({"videos": videos} if videos else {})}
 
 
 def _model_facts(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -40,6 +47,11 @@ def _model_facts(p: argparse.ArgumentParser, *, required: bool) -> None:
     g.add_argument("--min-pixels", type=int, default=defaults.min_pixels)
     g.add_argument("--max-pixels", type=int, default=defaults.max_pixels)
     g.add_argument("--max-input-pixels", type=int, default=defaults.max_input_pixels)
+    v = VideoProcessor.Config()
+    g.add_argument("--video-token-id", type=int, default=None, help="the model's video token id (records with videos)")
+    g.add_argument("--video-fps", type=float, default=v.fps, help="frames sampled per second of video")
+    g.add_argument("--video-min-pixels", type=int, default=v.min_pixels, help="smallest frames*H*W of a video")
+    g.add_argument("--video-max-pixels", type=int, default=v.max_pixels, help="largest frames*H*W of a video")
 
 
 def _encoder(args: argparse.Namespace) -> VisionLanguageEncoder | None:
@@ -57,7 +69,7 @@ def _encoder(args: argparse.Namespace) -> VisionLanguageEncoder | None:
     if vocab is None:
         from hyper_parallel.data.tokenizer import HuggingFaceTokenizer
 
-        vocab = max(HuggingFaceTokenizer.from_folder(tokenizer).vocab_size, max(ids) + 1)
+        vocab = max(HuggingFaceTokenizer.from_folder(tokenizer).vocab_size, max(ids) + 1, (args.video_token_id or 0) + 1)
     image = ImageProcessor.Config(
         min_pixels=args.min_pixels, max_pixels=args.max_pixels, max_input_pixels=args.max_input_pixels
     )
@@ -70,7 +82,10 @@ def _encoder(args: argparse.Namespace) -> VisionLanguageEncoder | None:
         "temporal_patch_size": args.temporal_patch_size,
         "merge_size": args.merge_size,
     }
-    return make_encoder(tokenizer, image, facts)
+    if args.video_token_id is not None:
+        facts["video_token_id"] = args.video_token_id
+    video = VideoProcessor.Config(fps=args.video_fps, min_pixels=args.video_min_pixels, max_pixels=args.video_max_pixels)
+    return make_encoder(tokenizer, image, facts, video=video)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -80,14 +95,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     commands = add_shard_commands(
         parser,
-        write="write shards from a .jsonl file ({images: [paths], text | messages})",
+        write="write shards from a .jsonl file ({images: [paths], videos: [paths], text | messages})",
         input_help=".jsonl file: one record per line",
         toy="write the embedded toy corpus (coloured shapes with captions)",
         check="decode every record (pixels included) and count bad ones by kind",
         index="write the index side file (<shard>.idx.npz) for the given model facts",
     )
     commands["write"].add_argument(
-        "--image-root", default=None, help="folder the image paths are relative to (default: the file's)"
+        "--image-root", default=None, help="folder the image and video paths are relative to (default: the file's)"
     )
     for name, required in (("write", False), ("toy", False), ("check", True), ("index", True)):
         _model_facts(commands[name], required=required)
@@ -95,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "write":
-            from hyper_parallel.data.vision_language.writer import write_shards
+            from hyper_parallel.data.vision_language.writer import TOY_TOKENIZER, write_shards
 
             shards = write_shards(
                 args.output_dir,
@@ -103,14 +118,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 encoder=_encoder(args),
                 samples_per_shard=args.samples_per_shard,
                 prefix=args.prefix,
+                tokenizer=args.tokenizer or TOY_TOKENIZER,  # recorded in vl_dataset.json: the loader uses it
             )
             print(f"wrote {len(shards)} shard(s) to {args.output_dir}")
         elif args.command == "toy":
             from hyper_parallel.data.vision_language.toy import ToyVisionLanguageSpec, write_toy_vision_language
+            from hyper_parallel.data.vision_language.writer import TOY_TOKENIZER
 
             extra = {"num_samples": args.num_samples} if args.num_samples else {}
             spec = ToyVisionLanguageSpec(seed=args.seed, **extra)
-            shards = write_toy_vision_language(args.output_dir, spec, encoder=_encoder(args))
+            shards = write_toy_vision_language(
+                args.output_dir, spec, encoder=_encoder(args), tokenizer=args.tokenizer or TOY_TOKENIZER
+            )
             print(f"wrote {len(shards)} toy shard(s) to {args.output_dir}")
         elif args.command == "index":
             from hyper_parallel.data.shards import resolve_shards
@@ -125,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from hyper_parallel.data.vision_language.writer import check_shards
 
             report = check_shards(args.path, _encoder(args), max_tokens=args.max_tokens)
-            return print_check_report(report, ("samples", "tokens", "images", "bad"))
+            return print_check_report(report, ("samples", "tokens", "images", "videos", "bad"))
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

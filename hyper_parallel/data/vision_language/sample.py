@@ -3,8 +3,10 @@
 A record (webdataset key ``<key>``) is ``<key>.json`` plus its images: ``<key>.jpg|jpeg|png|webp``
 for one image, ``<key>.0.jpg``, ``<key>.1.png``, ... for several (numbered ``0..n-1``, in order).
 The json holds ``{"text": "... <image> ..."}`` or ``{"messages": [{"role": ..., "content":
-"... <image> ..."}, ...]}`` (rendered with the tokenizer's chat template); other fields are kept
-but not used. The i-th ``<image>`` marker is the i-th image.
+"... <image> ..."}, ...]}`` (rendered with the tokenizer's chat template); a message's content may
+also be transformers' list of parts ``[{"type": "image"}, {"type": "text", "text": "..."}]``, each
+image part standing for the next image (:func:`~hyper_parallel.data.chat.check_conversation`);
+other fields are kept but not used. The i-th ``<image>`` marker (or image part) is the i-th image.
 
 **Tokens.** The text (or rendered chat) is cut at the markers; each piece is tokenised without
 special tokens (what HF's processor gets: its image tokens are added tokens, which split the text
@@ -15,7 +17,8 @@ comes from the image header alone (:meth:`ImageProcessor.grid_thw`), so the shar
 document's length without decoding a pixel.
 
 **Labels** are the shifted tokens with ``image_token``, ``vision_start`` and ``vision_end`` targets
-set to -100. HF's ``Qwen3VLMoeForConditionalGeneration`` takes labels as given; HF's Qwen2-VL
+set to -100; a conversation trains only its assistant turns by default (``loss_on``, see
+:mod:`hyper_parallel.data.chat`). HF's ``Qwen3VLMoeForConditionalGeneration`` takes labels as given; HF's Qwen2-VL
 fine-tuning recipe (TRL cookbook) and NeMo's Qwen-VL collate mask exactly these three ids, and we
 follow them: the model never learns to emit image tokens or the markers around them (the processor
 writes those), while the text after an image is still a target.
@@ -33,6 +36,7 @@ with a message pointing at ``python -m hyper_parallel.data.vision_language check
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -48,12 +52,22 @@ from hyper_parallel.data.bad_samples import (
     BadSampleError,
     bad_sample_message,
 )
+from hyper_parallel.data.chat import CHAT_BAD_KINDS, ChatTemplateError, check_conversation, encode_chat, resolve_loss_on
 from hyper_parallel.data.index import IndexSpec
 from hyper_parallel.data.packing import collate_packed, shift_labels
 from hyper_parallel.data.preset import register_batch_check
 from hyper_parallel.data.tokenizer import HuggingFaceTokenizer, tokenizer_fingerprint
+from hyper_parallel.data.vision_language.media import (
+    VIDEO_BAD_KINDS,
+    VIDEO_MARKER,
+    VideoPlan,
+    VideoRecords,
+    split_media,
+    video_members,
+)
 from hyper_parallel.data.vision_language.mrope import mrope_position_ids
 from hyper_parallel.data.vision_language.preprocess import ImageError, ImageProcessor
+from hyper_parallel.data.vision_language.video import VideoProcessor
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -97,14 +111,18 @@ VL_BAD_KINDS = (
     "too_many_pixels",
     "aspect_ratio",
     "reserved_token",
+    *CHAT_BAD_KINDS,
+    *VIDEO_BAD_KINDS,
 )
 """Kinds of bad vision-language records: the generic ones plus ``missing_text`` (the json has no
 ``text``/``messages``), ``bad_image_names`` (images not numbered ``0..n-1``), ``count_mismatch``
 (markers != images), ``empty_image`` (0 bytes or 0 pixels), ``too_many_pixels`` (over
 ``image.max_input_pixels``), ``aspect_ratio`` (over 200, HF's limit), ``reserved_token`` (the text
-itself tokenises to an image or vision marker id)."""
+itself tokenises to an image or vision marker id), ``bad_conversation`` (roles in a wrong order, a
+content part that is not text or image), ``no_assistant`` (nothing to train with ``loss_on`` assistant), and
+the video kinds (:data:`~.media.VIDEO_BAD_KINDS`)."""
 
-INDEX_KIND = "vision_language/1"
+INDEX_KIND = "vision_language/3"
 """Name and version of the index statistics (bump when :meth:`VisionLanguageEncoder.parse` changes)."""
 
 
@@ -134,11 +152,8 @@ def read_text(files: Mapping[str, bytes]) -> tuple[str | None, list[dict[str, An
         if not isinstance(text, str):
             raise _bad("bad_metadata", f"'text' must be a string, got {type(text).__name__}")
         return text, None
-    ok = isinstance(messages, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
-    )
-    if not ok:
-        raise _bad("bad_metadata", "'messages' must be a list of {\"role\": str, \"content\": str} objects")
+    if not isinstance(messages, list):
+        raise _bad("bad_metadata", f"'messages' must be a list of messages, got {type(messages).__name__}")
     if not messages:
         raise _bad("empty", "'messages' is an empty list")
     return None, messages
@@ -173,6 +188,10 @@ class ParsedRecord:
     """Member names of the images, in marker order."""
     grids: list[tuple[int, int, int]]
     """``(t, h, w)`` in patches per image."""
+    assistant_mask: np.ndarray | None = None
+    """Chats: bool ``[L]``, True at the tokens of assistant turns (never at image tokens); None for text."""
+    videos: tuple[VideoPlan, ...] = ()
+    """The videos, in marker order: frames to decode, grid, timestamps (:mod:`.media`)."""
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -194,6 +213,10 @@ class VisionLanguageDocument:
     """float32 ``[sum t*h*w, 3*T*p*p]``."""
     image_grid_thw: torch.Tensor
     """int64 ``[n_images, 3]``."""
+    pixel_values_videos: torch.Tensor | None = None
+    """float32 ``[sum t*h*w, 3*T*p*p]`` of the videos (HF ``pixel_values_videos``); None: no video."""
+    video_grid_thw: torch.Tensor | None = None
+    """int64 ``[n_videos, 3]``; None: no video."""
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -215,11 +238,18 @@ class VisionLanguageEncoder:
         vision_start_token_id: int,
         vision_end_token_id: int,
         tokenizer_fingerprint: str,
+        system_prompt: str = "",
+        videos: VideoRecords | None = None,
     ) -> None:
         self.tokenizer, self.processor = tokenizer, processor
+        self.videos = videos
+        """The video half (None: the model takes no video; a ``<video>`` marker is then a bad record)."""
+        self.system_prompt = system_prompt
         self.image_token_id = image_token_id
         self.vision_start_token_id, self.vision_end_token_id = vision_start_token_id, vision_end_token_id
         self.reserved = (image_token_id, vision_start_token_id, vision_end_token_id)
+        if videos is not None:
+            self.reserved += (videos.video_token_id,)
         self.bos = [tokenizer.bos_id] if tokenizer.adds_bos else []
         self.eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
         self.tokenizer_fingerprint = tokenizer_fingerprint
@@ -241,6 +271,8 @@ class VisionLanguageEncoder:
             "min_pixels": c.min_pixels,
             "max_pixels": c.max_pixels,
             "max_input_pixels": c.max_input_pixels,
+            "system_prompt": self.system_prompt,
+            **(self.videos.index_params() if self.videos is not None else {}),
         }
 
     def index_spec(self) -> IndexSpec:
@@ -266,45 +298,108 @@ class VisionLanguageEncoder:
         except Exception as e:  # noqa: BLE001 - a template that rejects a chat (raise_exception, missing fields)
             raise _bad("undecodable", f"the chat template rejects its messages ({type(e).__name__}: {e})") from None
 
+    def _expand(
+        self, rendered: str, grids: Sequence[tuple[int, int, int]], videos: Sequence[VideoPlan] = ()
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """Tokens of ``rendered`` with every ``<image>`` marker expanded (the i-th into ``grids[i]``'s image
+        tokens) and every ``<video>`` marker (the j-th into ``videos[j]``'s frame groups, :mod:`.media`), and
+        each token's characters in ``rendered`` (an image's or a video's tokens all point at its marker)."""
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        m2 = self.merge_size * self.merge_size
+        start, image, end = self.vision_start_token_id, self.image_token_id, self.vision_end_token_id
+        pos = 0
+        n_image = n_video = 0
+        for k, piece in enumerate(split_media(rendered)):
+            if k % 2:  # a marker
+                if piece == IMAGE_MARKER and n_image < len(grids):
+                    t, h, w = grids[n_image]
+                    expanded = [start, *[image] * (t * h * w // m2), end]
+                    n_image += 1
+                elif piece == VIDEO_MARKER and n_video < len(videos):
+                    expanded = self.videos.ids(videos[n_video])
+                    n_video += 1
+                else:  # a marker beyond the media (count_mismatch was checked first): plain text
+                    expanded = None
+                if expanded is not None:
+                    ids += expanded
+                    offsets += [(pos, pos + len(piece))] * len(expanded)
+                    pos += len(piece)
+                    continue
+            piece_ids, piece_offsets = self.tokenizer.encode_with_offsets(piece)
+            hit = set(piece_ids).intersection(self.reserved)
+            if hit:
+                raise _bad(
+                    "reserved_token",
+                    f"its text tokenises to {sorted(hit)}, an image, video or vision marker id of the model "
+                    f"(reserved ids {list(self.reserved)}); images and videos go in as {IMAGE_MARKER} / "
+                    f"{VIDEO_MARKER} markers",
+                )
+            ids += piece_ids
+            offsets += [(pos + a, pos + b) for a, b in piece_offsets]
+            pos += len(piece)
+        return ids, offsets
+
     def parse(self, key: str, files: Mapping[str, bytes]) -> ParsedRecord:
         """Validate a record and expand its tokens, reading image headers only (raises ``BadSample``)."""
         text, messages = read_text(files)
         images = image_members(files)
+        video_names = video_members(files)
+        if messages is not None:
+            messages = check_conversation(messages, system_prompt=self.system_prompt, images=True)[0]
         rendered = self.render(text, messages)
         contents = [text] if messages is None else [m["content"] for m in messages]
-        if not images and all(not c.strip() for c in contents):
+        if not images and not video_names and all(not c.strip() for c in contents):
             raise _bad("empty", "its text is blank and it has no image")
-        pieces = rendered.split(IMAGE_MARKER)
-        if len(pieces) - 1 != len(images):
+        markers = rendered.count(IMAGE_MARKER)
+        if markers != len(images):
             raise _bad(
                 "count_mismatch",
-                f"its text has {len(pieces) - 1} {IMAGE_MARKER} marker(s) but the record has {len(images)} image(s) "
-                f"{images}",
+                f"its text has {markers} {IMAGE_MARKER} marker(s) or image part(s) but the record has {len(images)} "
+                f"image(s) {images}",
             )
         grids = [self._grid(key, member, files[member]) for member in images]
-        encoded = self.tokenizer.encode_batch(pieces, add_special_tokens=False)
-        for piece in encoded:
-            hit = set(piece).intersection(self.reserved)
-            if hit:
-                raise _bad(
-                    "reserved_token",
-                    f"its text tokenises to {sorted(hit)}, an image or vision marker id of the model "
-                    f"(image/vision_start/vision_end = {list(self.reserved)}); images go in as {IMAGE_MARKER} markers",
-                )
-        m2 = self.merge_size * self.merge_size
-        start, image, end = self.vision_start_token_id, self.image_token_id, self.vision_end_token_id
-        parts: list[Sequence[int]] = [self.bos if messages is None else []]  # a chat template writes its own
-        for i, piece in enumerate(encoded):
-            parts.append(piece)
-            if i < len(grids):
-                t, h, w = grids[i]
-                parts.append([start, *[image] * (t * h * w // m2), end])
-        if messages is None:
-            parts.append(self.eos)
-        input_ids = np.fromiter((tok for part in parts for tok in part), dtype=np.int64)
+        plans = self._video_plans(key, files, rendered, video_names)
+        ids, mask = self._tokens(rendered, messages, grids, plans)
+        if plans and self.videos.token_budget is not None and len(ids) > self.videos.token_budget:
+            other = len(ids) - sum(len(self.videos.ids(p)) for p in plans)
+            plans = self.videos.fit(key, files, plans, other)  # too_long=fewer_frames: sparser videos
+            ids, mask = self._tokens(rendered, messages, grids, plans)
+        input_ids = np.asarray(ids, dtype=np.int64)
         if not len(input_ids):  # a tokenizer that maps the whole text to nothing
             raise _bad("empty", "its text tokenises to no token")
-        return ParsedRecord(input_ids, images, grids)
+        return ParsedRecord(input_ids, images, grids, mask, tuple(plans))
+
+    def _video_plans(self, key: str, files: Mapping[str, bytes], rendered: str, names: list[str]) -> list[VideoPlan]:
+        markers = rendered.count(VIDEO_MARKER)
+        if markers != len(names):
+            raise _bad(
+                "count_mismatch",
+                f"its text has {markers} {VIDEO_MARKER} marker(s) or video part(s) but the record has {len(names)} "
+                f"video(s) {names}",
+            )
+        if names and self.videos is None:
+            raise _bad("bad_metadata", f"it has videos {names} but the model takes no video (no video_token_id)")
+        return [self.videos.plan(key, member, files[member]) for member in names]
+
+    def _tokens(
+        self, rendered: str, messages: list[dict[str, Any]] | None, grids: list, plans: Sequence[VideoPlan]
+    ) -> tuple[list[int], np.ndarray | None]:
+        """Expanded ids and, for a chat, its assistant mask."""
+        mask = None
+        if messages is None:
+            ids, _ = self._expand(rendered, grids, plans)
+            ids = [*self.bos, *ids, *self.eos]
+        else:  # a chat template writes its own special tokens; find the assistant tokens in it
+            try:
+                encoded = encode_chat(self.tokenizer, messages, encode=lambda t: self._expand(t, grids, plans))
+            except (BadSample, ChatTemplateError):
+                raise  # a bad record (reserved token), or the template, not the record
+            except Exception as e:  # noqa: BLE001 - a template that rejects a chat (raise_exception, missing fields)
+                raise _bad("undecodable", f"the chat template rejects its messages ({type(e).__name__}: {e})") from None
+            ids = encoded.ids
+            mask = encoded.assistant_mask & ~np.isin(np.asarray(ids, dtype=np.int64), self.reserved)
+        return ids, mask
 
     # -- pixels --------------------------------------------------------------------------------
     def pixels(self, key: str, files: Mapping[str, bytes], record: ParsedRecord) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,48 +417,82 @@ class VisionLanguageEncoder:
         return out.pixel_values, out.image_grid_thw
 
     def document(
-        self, key: str, shard: str, files: Mapping[str, bytes], record: ParsedRecord | None = None
+        self,
+        key: str,
+        shard: str,
+        files: Mapping[str, bytes],
+        record: ParsedRecord | None = None,
+        *,
+        loss_on: str = "document",
     ) -> VisionLanguageDocument:
-        """The full document (raises ``BadSample``)."""
+        """The full document (raises ``BadSample``); ``loss_on`` as ``data.loss_on``."""
         record = self.parse(key, files) if record is None else record
+        mask = record.assistant_mask
+        train_assistant = resolve_loss_on(loss_on, is_chat=mask is not None) == "assistant"
+        if train_assistant and (mask is None or not mask.any()):
+            what = "no assistant turn" if mask is not None else "plain text, not messages"
+            raise _bad("no_assistant", f"loss_on assistant, but the record has {what}")
         pixel_values, grid_thw = self.pixels(key, files, record)
         ids = record.input_ids
         targets = np.where(np.isin(ids, self.reserved), IGNORE_INDEX, ids)
+        if train_assistant:
+            targets = np.where(mask, targets, IGNORE_INDEX)
+        videos = video_grid = None  # a model without a video path gets no video keys
+        if self.videos is not None:
+            videos, video_grid = self.videos.pixels(key, files, record.videos)
         positions = mrope_position_ids(
-            ids, grid_thw.numpy(), image_token_id=self.image_token_id, merge_size=self.merge_size
-        )
-        return VisionLanguageDocument(key, shard, ids, shift_labels(targets), positions, pixel_values, grid_thw)
+            ids, grid_thw.numpy(), image_token_id=self.image_token_id, merge_size=self.merge_size,
+            video_grid_thw=None if video_grid is None else video_grid.numpy(),
+            video_token_id=None if self.videos is None else self.videos.video_token_id,
+        )  # fmt: skip
+        return VisionLanguageDocument(key, shard, ids, shift_labels(targets), positions, pixel_values, grid_thw,
+                                      videos, video_grid)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
 class VisionLanguageStats:
-    """Per-record index statistics: expanded ``length``, bad ``kind`` code (0 good), ``images``, ``patches``."""
+    """Per-record index statistics: expanded ``length``, bad ``kind`` code (0 good), ``images``, ``patches``,
+    ``trained``, ``videos`` and ``video_patches``."""
 
     encoder: VisionLanguageEncoder
-    columns: ClassVar[tuple[str, ...]] = ("length", "kind", "images", "patches")
+    columns: ClassVar[tuple[str, ...]] = ("length", "kind", "images", "patches", "trained", "videos", "video_patches")
 
     def __call__(self, key: str, files: Mapping[str, bytes]) -> dict[str, int]:
         try:
             record = self.encoder.parse(key, files)
         except BadSample as e:
-            return {"length": 0, "kind": 1 + VL_BAD_KINDS.index(e.kind), "images": 0, "patches": 0}
+            return {"length": 0, "kind": 1 + VL_BAD_KINDS.index(e.kind), "images": 0, "patches": 0, "trained": -1,
+                    "videos": 0, "video_patches": 0}  # fmt: skip
         patches = sum(t * h * w for t, h, w in record.grids)
-        return {"length": len(record), "kind": 0, "images": len(record.grids), "patches": patches}
+        trained = -1 if record.assistant_mask is None else int(record.assistant_mask.sum())
+        video_patches = sum(t * h * w for t, h, w in (v.grid for v in record.videos))
+        return {"length": len(record), "kind": 0, "images": len(record.grids), "patches": patches, "trained": trained,
+                "videos": len(record.videos), "video_patches": video_patches}  # fmt: skip
 
 
-def vl_classify(stats: Mapping[str, np.ndarray], *, max_tokens: int) -> np.ndarray:
-    """Kind code per record (0 good, ``1 + i`` for ``VL_BAD_KINDS[i]``): the index's own verdict, then the budget."""
+def vl_classify(stats: Mapping[str, np.ndarray], *, max_tokens: int, loss_on: str = "all") -> np.ndarray:
+    """Kind code per record (0 good, ``1 + i`` for ``VL_BAD_KINDS[i]``): the index's own verdict, the budget,
+    then whether ``loss_on`` leaves anything to train."""
     too_long = 1 + VL_BAD_KINDS.index("too_long")
-    kind = stats["kind"]
-    return np.where(kind > 0, kind, np.where(stats["length"] > max_tokens, too_long, 0)).astype(np.int64)
+    no_assistant = 1 + VL_BAD_KINDS.index("no_assistant")
+    kind, trained = stats["kind"], stats["trained"]
+    needs = (trained >= 0) if loss_on == "document" else np.full(kind.shape, loss_on == "assistant")
+    verdict = np.where(needs & (trained <= 0), no_assistant, 0)
+    verdict = np.where(stats["length"] > max_tokens, too_long, verdict)
+    return np.where(kind > 0, kind, verdict).astype(np.int64)
 
 
 # -- collate -----------------------------------------------------------------------------------------
 def _vision_inputs(documents: Sequence[VisionLanguageDocument], offsets: np.ndarray) -> dict[str, Any]:
-    return {
+    out = {
         "pixel_values": torch.cat([d.pixel_values for d in documents]),
         "image_grid_thw": torch.cat([d.image_grid_thw for d in documents]),
     }
+    videos = [d for d in documents if d.video_grid_thw is not None]
+    if videos:  # a source that can hold videos: every micro-batch has the keys (empty without videos)
+        out["pixel_values_videos"] = torch.cat([d.pixel_values_videos for d in videos])
+        out["video_grid_thw"] = torch.cat([d.video_grid_thw for d in videos])
+    return out
 
 
 def collate_vision_language(
@@ -387,6 +516,7 @@ class VisionLanguageCodec:
 
     encoder: VisionLanguageEncoder
     max_tokens: int
+    loss_on: str = "document"
     label: ClassVar[str] = "vision_language"
 
     def decode(self, key: str, shard: str, files: Mapping[str, bytes], piece: int) -> VisionLanguageDocument:
@@ -398,7 +528,11 @@ class VisionLanguageCodec:
                 "(raise it, or lower image.max_pixels)",
             )
         try:
-            return self.encoder.document(key, shard, files, record)
+            if resolve_loss_on(self.loss_on, is_chat=record.assistant_mask is not None) == "assistant" and (
+                record.assistant_mask is None or not record.assistant_mask.any()
+            ):
+                raise _bad("no_assistant", "loss_on assistant, but the record has no assistant turn")
+            return self.encoder.document(key, shard, files, record, loss_on=self.loss_on)
         except BadSample as e:
             # Only pixels fail here (a body broken behind a readable header): the index cannot see that.
             raise BadSampleError(
@@ -415,8 +549,20 @@ class VisionLanguageCodec:
 
 
 # -- building the encoder from a tokenizer folder and the model facts -------------------------------
-def make_encoder(tokenizer: str, image: ImageProcessor.Config, facts: Mapping[str, Any]) -> VisionLanguageEncoder:
+def make_encoder(
+    tokenizer: str,
+    image: ImageProcessor.Config,
+    facts: Mapping[str, Any],
+    *,
+    system_prompt: str = "",
+    video: VideoProcessor.Config | None = None,
+    token_budget: int | None = None,
+) -> VisionLanguageEncoder:
     """The encoder for a tokenizer folder, image settings and the model facts :data:`VL_MODEL_FACTS`.
+
+    Videos are taken when the facts hold a ``video_token_id`` >= 0 (the model has a video path), with
+    ``video`` settings (defaults: HF's Qwen3-VL video processor); ``token_budget`` is the packing
+    budget the ``too_long=fewer_frames`` policy fits videos into.
 
     Checks that every token the tokenizer produces lies below ``vocab_size``, that the three image
     ids are distinct ids of the model, and that an id inside the tokenizer's range is one of its
@@ -439,7 +585,10 @@ def make_encoder(tokenizer: str, image: ImageProcessor.Config, facts: Mapping[st
     ids = {k: f[k] for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id")}
     if len(set(ids.values())) != 3:
         raise ValueError(f"the model's image token ids must be three different ids, got {ids}")
-    for name, i in ids.items():
+    video_id = int(facts.get("video_token_id", -1))
+    if video_id >= 0 and video_id in ids.values():
+        raise ValueError(f"model fact video_token_id={video_id} must differ from the image token ids {ids}")
+    for name, i in {**ids, **({"video_token_id": video_id} if video_id >= 0 else {})}.items():
         if not 0 <= i < vocab:
             raise ValueError(f"model fact {name}={i} must be a token id in [0, vocab_size={vocab})")
         if i < tok.vocab_size and tok.decode([i], skip_special_tokens=True) != "":
@@ -448,10 +597,19 @@ def make_encoder(tokenizer: str, image: ImageProcessor.Config, facts: Mapping[st
                 f"({tok.decode([i])!r}): text would produce it. Use the model's own tokenizer (its image tokens are "
                 "special tokens) or ids beyond the tokenizer's vocabulary"
             )
-    processor = image.build(
-        patch_size=f["patch_size"], temporal_patch_size=f["temporal_patch_size"], merge_size=f["merge_size"]
+    sizes = dict(patch_size=f["patch_size"], temporal_patch_size=f["temporal_patch_size"], merge_size=f["merge_size"])
+    processor = image.build(**sizes)
+    videos = None
+    if video_id >= 0:
+        videos = VideoRecords(
+            (video or VideoProcessor.Config()).build(**sizes), functools.partial(tok.encode_batch, add_special_tokens=False),
+            video_token_id=video_id, vision_start_token_id=ids["vision_start_token_id"],
+            vision_end_token_id=ids["vision_end_token_id"], token_budget=token_budget,
+        )  # fmt: skip
+    return VisionLanguageEncoder(
+        tok, processor, **ids, tokenizer_fingerprint=tokenizer_fingerprint(tok.folder), system_prompt=system_prompt,
+        videos=videos,
     )
-    return VisionLanguageEncoder(tok, processor, **ids, tokenizer_fingerprint=tokenizer_fingerprint(tok.folder))
 
 
 # -- preset_pt: saved vision-language micro-batches ---------------------------------------------------
@@ -477,6 +635,20 @@ def check_vision_batch(batch: dict[str, Any], facts: Mapping[str, Any], where: s
     n_image = int((batch["input_ids"] == image_id).sum())
     if n_image * m * m != patches:
         fail(f"input_ids hold {n_image} image tokens (id {image_id}) but the grids give {patches // (m * m)}")
+    if "video_grid_thw" in batch:  # videos: the same checks with the video token
+        vpv, vgrid = batch.get("pixel_values_videos"), batch["video_grid_thw"]
+        video_id = int(facts.get("video_token_id", -1))
+        if video_id < 0 and vgrid.numel():
+            fail("holds videos, but the model has no video_token_id")
+        if not isinstance(vpv, torch.Tensor) or vpv.dim() != 2 or vgrid.dim() != 2 or vgrid.shape[1] != 3:
+            fail("pixel_values_videos must be [N_patches, C*T*p*p] and video_grid_thw [n_videos, 3]")
+        batch["video_grid_thw"] = vgrid = vgrid.to(torch.int64)
+        vpatches = int(vgrid.prod(dim=1).sum())
+        if vpv.shape[0] != vpatches:
+            fail(f"pixel_values_videos has {vpv.shape[0]} rows but video_grid_thw covers {vpatches} patches")
+        n_video = int((batch["input_ids"] == video_id).sum()) if video_id >= 0 else 0
+        if n_video * m * m != vpatches:
+            fail(f"input_ids hold {n_video} video tokens (id {video_id}) but the grids give {vpatches // (m * m)}")
     ids, labels = batch["input_ids"], batch["labels"]
     if bool((ids >= vocab).any()) or bool(((labels != IGNORE_INDEX) & (labels >= vocab)).any()):
         fail(f"input_ids and labels must lie below the model's vocab_size={vocab}")

@@ -7,9 +7,12 @@ another colour, ``min_size..max_size`` pixels a side (independently), saved as P
 Its caption names both colours and the shape: "a red circle on a blue background". A sample is a
 caption after its picture (``"<image>A red circle on a blue background."``), two pictures with one
 sentence about both, a chat (``user: "<image>\\nWhat is in the picture?"``, ``assistant:`` the
-caption), or (rarely) a caption without a picture. The caption words after the image are only
+caption; with ``content_parts`` the user turn is ``[{"type": "image"}, {"type": "text", "text": "What is in
+the picture?"}]``), or (rarely) a caption without a picture. The caption words after the image are only
 predictable from the pixels, so a model that uses the vision tower learns faster than one that
-does not.
+does not. With ``video_fraction`` a share of the samples are short videos of a shape moving across a
+background (:mod:`.toy_video`: "<video>A red circle moves right on a blue background.", or the same as
+a chat); the loader asks for them when the model has a video path.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from PIL import Image, ImageDraw
 
 from hyper_parallel.data.cache import cached_build, spec_digest
 from hyper_parallel.data.vision_language.sample import VisionLanguageEncoder
+from hyper_parallel.data.vision_language.toy_video import toy_video_sample
 from hyper_parallel.data.vision_language.writer import VisionLanguageWriter, encode_image
 
 __all__ = [
@@ -60,6 +64,11 @@ class ToyVisionLanguageSpec:
     two_image_fraction: float = 0.2
     chat_fraction: float = 0.25
     text_only_fraction: float = 0.03
+    content_parts: bool = False
+    """Chats in transformers' content-list form (``[{"type": "image"}, {"type": "text", "text": ...}]``)
+    instead of ``<image>`` markers in the text."""
+    video_fraction: float = 0.0
+    """Share of the samples that are a short video of a moving shape (0: images and text only)."""
     seed: int = 0
 
     def digest(self) -> str:
@@ -99,6 +108,13 @@ def make_toy_samples(spec: ToyVisionLanguageSpec) -> list[dict[str, Any]]:
     """The corpus as ``{"key", "images": [(format, PIL image)], "text" | "messages"}`` dicts."""
     samples = []
     for index in range(spec.num_samples):
+        if spec.video_fraction > 0:  # its own stream: the image samples stay what they are without videos
+            vrng = np.random.default_rng([spec.seed, 0x716, index])
+            if vrng.random() < spec.video_fraction:
+                samples.append(toy_video_sample(vrng, f"toyvl{index:07d}", COLOURS, SHAPES,
+                                                chat=bool(vrng.random() < spec.chat_fraction),
+                                                content_parts=spec.content_parts))  # fmt: skip
+                continue
         rng = np.random.default_rng([spec.seed, 0x715, index])
         u = rng.random()
         n = 0 if u < spec.text_only_fraction else 2 if u < spec.text_only_fraction + spec.two_image_fraction else 1
@@ -113,7 +129,11 @@ def make_toy_samples(spec: ToyVisionLanguageSpec) -> list[dict[str, Any]]:
             prompt = "<image>\nWhat is in the picture?" if n else "Describe a picture."
         sample: dict[str, Any] = {"key": f"toyvl{index:07d}", "images": images}
         if rng.random() < spec.chat_fraction:
-            sample["messages"] = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+            question = prompt.replace("<image>\n", "")
+            user: Any = prompt
+            if spec.content_parts:
+                user = [*({"type": "image"} for _ in range(n)), {"type": "text", "text": question}]
+            sample["messages"] = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
         else:
             sample["text"] = "<image>" * n + answer
         samples.append(sample)
@@ -121,15 +141,19 @@ def make_toy_samples(spec: ToyVisionLanguageSpec) -> list[dict[str, Any]]:
 
 
 def write_toy_vision_language(
-    out_dir: str, spec: ToyVisionLanguageSpec, *, encoder: VisionLanguageEncoder | None = None
+    out_dir: str, spec: ToyVisionLanguageSpec, *, encoder: VisionLanguageEncoder | None = None, tokenizer: str | None = None
 ) -> list[str]:
     """Write the toy corpus as vision-language shards into ``out_dir``; returns the shard paths.
 
-    With an ``encoder`` (the model's tokenizer, image settings and ids) each shard gets its index."""
-    with VisionLanguageWriter(out_dir, samples_per_shard=spec.samples_per_shard, prefix="toy", encoder=encoder) as writer:
+    With an ``encoder`` (the model's tokenizer, image settings and ids) each shard gets its index; ``tokenizer``
+    is recorded for the loader (:class:`~.writer.VisionLanguageWriter`)."""
+    with VisionLanguageWriter(
+        out_dir, samples_per_shard=spec.samples_per_shard, prefix="toy", encoder=encoder, tokenizer=tokenizer
+    ) as writer:
         for s in make_toy_samples(spec):
             images = [encode_image(im, fmt)[1] for fmt, im in s["images"]]
-            writer.write(images, text=s.get("text"), messages=s.get("messages"), key=s["key"])
+            writer.write(images, videos=s.get("videos", ()), text=s.get("text"), messages=s.get("messages"),
+                         key=s["key"])  # fmt: skip
     return writer.shards
 
 

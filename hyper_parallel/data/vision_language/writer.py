@@ -11,9 +11,11 @@ from typing import Any
 from PIL import Image
 
 from hyper_parallel.data.bad_samples import BadSample, bad_sample_message
+from hyper_parallel.data.chat import check_conversation
 from hyper_parallel.data.index import IndexSpec, build_index, sidecar_path, write_index
 from hyper_parallel.data.shard_writer import ShardWriter
 from hyper_parallel.data.shards import iter_tar_records, resolve_shards
+from hyper_parallel.data.vision_language.media import VideoInput, check_videos, encode_video_member
 from hyper_parallel.data.vision_language.sample import (
     IMAGE_MARKER,
     VL_BAD_KINDS,
@@ -22,7 +24,52 @@ from hyper_parallel.data.vision_language.sample import (
     read_text,
 )
 
-__all__ = ["VisionLanguageWriter", "check_shards", "read_samples", "write_shards"]
+__all__ = [
+    "DATASET_FILE",
+    "TOY_TOKENIZER",
+    "VisionLanguageWriter",
+    "check_shards",
+    "read_dataset_tokenizer",
+    "read_samples",
+    "write_dataset_tokenizer",
+    "write_shards",
+]
+
+DATASET_FILE = "vl_dataset.json"
+"""Written next to the shards: ``{"tokenizer": folder | "toy", "tokenizer_fingerprint": ...}``, the tokenizer
+the shards (and their index side files) were written for; the loader checks it."""
+
+TOY_TOKENIZER = "toy"
+"""The ``tokenizer`` of a dataset written with the toy tokenizer (it lives under each machine's cache_dir)."""
+
+
+def toy_tokenizer_folder(cache_dir: str = "~/.cache/hyper_parallel") -> str:
+    """The toy tokenizer's folder under ``cache_dir`` (written on first use)."""
+    from hyper_parallel.data.text import cached_toy_text
+
+    return cached_toy_text(cache_dir).tokenizer_dir
+
+
+def write_dataset_tokenizer(out_dir: str, tokenizer: str, fingerprint: str) -> None:
+    """Record which tokenizer (an HF folder, or :data:`TOY_TOKENIZER`) the shards in ``out_dir`` were written with."""
+    folder = tokenizer if tokenizer == TOY_TOKENIZER else os.path.abspath(os.path.expanduser(tokenizer))
+    with open(os.path.join(out_dir, DATASET_FILE), "w", encoding="utf-8") as f:
+        json.dump({"tokenizer": folder, "tokenizer_fingerprint": fingerprint}, f, indent=2)
+
+
+def read_dataset_tokenizer(shards: Sequence[str]) -> tuple[str, dict[str, str]] | None:
+    """``(file, {"tokenizer", "tokenizer_fingerprint"})`` recorded next to the shards (the folder of the first
+    one), or None when they were written without one (by another tool, or an older writer)."""
+    if not shards:
+        return None
+    path = os.path.join(os.path.dirname(os.path.abspath(shards[0])), DATASET_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        meta = json.load(f)
+    if not isinstance(meta, dict) or not all(isinstance(meta.get(k), str) for k in ("tokenizer", "tokenizer_fingerprint")):
+        raise ValueError(f"{path} must hold {{'tokenizer': str, 'tokenizer_fingerprint': str}}; delete or rewrite it")
+    return path, meta
 
 _FORMAT_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 
@@ -49,13 +96,17 @@ def encode_image(image: ImageInput, image_format: str = "png") -> tuple[str, byt
 
 
 def _check_structure(key: str, files: Mapping[str, bytes]) -> None:
-    """Validation without a tokenizer: text field, image names, markers in the raw text, images decode."""
+    """Validation without a tokenizer: text field, image and video names, markers in the raw text, media decode."""
     text, messages = read_text(files)
     images = image_members(files)
+    if messages is not None:  # roles in order, content parts text or image (image parts become markers)
+        messages = check_conversation(messages, images=True)[0]
     raw = text if messages is None else "".join(m["content"] for m in messages)
     if raw.count(IMAGE_MARKER) != len(images):
         markers = raw.count(IMAGE_MARKER)
-        raise BadSample("count_mismatch", f"its text has {markers} {IMAGE_MARKER} marker(s) but {len(images)} image(s)")
+        raise BadSample(
+            "count_mismatch", f"its text has {markers} {IMAGE_MARKER} marker(s) or image part(s) but {len(images)} image(s)"
+        )
     for member in images:
         try:
             with Image.open(io.BytesIO(files[member])) as im:
@@ -67,15 +118,19 @@ def _check_structure(key: str, files: Mapping[str, bytes]) -> None:
         except Exception as e:  # noqa: BLE001
             detail = f"image {key}.{member} cannot be decoded ({type(e).__name__}: {e})"
             raise BadSample("undecodable", detail) from None
+    check_videos(key, files, raw)
 
 
 class VisionLanguageWriter(ShardWriter):
     """Writes vision-language records into ``<out_dir>/<prefix>-NNNNNN.tar``, ``samples_per_shard`` each.
 
     ``write(images, text=...)`` or ``write(images, messages=[...])``: the text holds one
-    ``<image>`` marker per image. Images are encoded bytes (JPEG/PNG/WebP, kept as they are) or PIL
+    ``<image>`` marker per image (and one ``<video>`` marker per video of ``videos=``: file bytes kept as
+    they are, or ``(frames, fps)`` encoded as mp4; one video is ``<key>.mp4``, several ``<key>.<i>.mp4``). Images are encoded bytes (JPEG/PNG/WebP, kept as they are) or PIL
     images (saved as ``image_format``); one image is stored as ``<key>.<ext>``, several as
-    ``<key>.<i>.<ext>``. Every record is validated before it is written: with an ``encoder``
+    ``<key>.<i>.<ext>``. ``tokenizer`` (an HF folder, or ``"toy"``; default: the encoder's) is recorded in
+    ``<out_dir>/vl_dataset.json`` (:data:`DATASET_FILE`), so the loader uses (or checks) the same one.
+    Every record is validated before it is written: with an ``encoder``
     (:func:`~.sample.make_encoder`, the model's tokenizer and image settings) exactly as the loader
     will decode it, pixels included, and each finished shard gets its index side file; without
     one, the structure only (text field, markers vs images, images decode). ``validate=False``
@@ -91,9 +146,17 @@ class VisionLanguageWriter(ShardWriter):
         encoder: VisionLanguageEncoder | None = None,
         image_format: str = "png",
         validate: bool = True,
+        tokenizer: str | None = None,
     ) -> None:
         super().__init__(out_dir, samples_per_shard=samples_per_shard, prefix=prefix)
         self.encoder, self.image_format, self.validate = encoder, image_format, validate
+        # which tokenizer the shards are for (the one named, else the encoder's): the loader checks it
+        if tokenizer is not None or encoder is not None:
+            from hyper_parallel.data.tokenizer import tokenizer_fingerprint
+
+            folder = tokenizer if tokenizer is not None else encoder.tokenizer.folder
+            resolved = toy_tokenizer_folder() if folder == TOY_TOKENIZER else folder
+            write_dataset_tokenizer(out_dir, folder, tokenizer_fingerprint(os.path.expanduser(resolved)))
 
     def _index_spec(self) -> IndexSpec | None:
         return self.encoder.index_spec() if self.encoder is not None else None
@@ -102,6 +165,7 @@ class VisionLanguageWriter(ShardWriter):
         self,
         images: Sequence[ImageInput] = (),
         *,
+        videos: Sequence[VideoInput] = (),
         text: str | None = None,
         messages: Sequence[Mapping[str, Any]] | None = None,
         key: str | None = None,
@@ -117,6 +181,9 @@ class VisionLanguageWriter(ShardWriter):
         files: dict[str, bytes] = {"json": json.dumps({**fields, **meta}, ensure_ascii=False).encode()}
         for i, (ext, data) in enumerate(encoded):
             files[ext if len(encoded) == 1 else f"{i}.{ext}"] = data
+        clips = [encode_video_member(v) for v in videos]
+        for i, (ext, data) in enumerate(clips):  # numbered among the videos: <key>.mp4 or <key>.<i>.mp4
+            files[ext if len(clips) == 1 else f"{i}.{ext}"] = data
         return self.write_files(files, key=key)
 
     def write_files(self, files: Mapping[str, bytes], *, key: str | None = None) -> str:
@@ -125,7 +192,8 @@ class VisionLanguageWriter(ShardWriter):
         if self.validate:
             try:
                 if self.encoder is not None:
-                    self.encoder.document(key, "<writer>", files)
+                    # loss_on is the loader's choice: a chat without assistant turns is still a valid record
+                    self.encoder.document(key, "<writer>", files, loss_on="all")
                 else:
                     _check_structure(key, files)
             except BadSample as e:
@@ -145,8 +213,8 @@ def write_shards(out_dir: str, samples: Iterable[Mapping[str, Any]], **writer_kw
     with VisionLanguageWriter(out_dir, **writer_kwargs) as writer:
         for s in samples:
             s = dict(s)
-            writer.write(s.pop("images", ()), text=s.pop("text", None), messages=s.pop("messages", None),
-                         key=s.pop("key", None), **s)  # fmt: skip
+            writer.write(s.pop("images", ()), videos=s.pop("videos", ()), text=s.pop("text", None),
+                         messages=s.pop("messages", None), key=s.pop("key", None), **s)  # fmt: skip
     return writer.shards
 
 
@@ -161,7 +229,7 @@ def read_samples(path: str) -> Iterator[dict[str, Any]]:
 def check_shards(path: str, encoder: VisionLanguageEncoder, *, max_tokens: int) -> dict[str, Any]:
     """Decode every record fully (pixels included); returns ``{"samples", "tokens", "images", "bad":
     {kind: n}, "messages": [...]}``."""
-    report: dict[str, Any] = {"samples": 0, "tokens": 0, "images": 0, "bad": {}, "messages": []}
+    report: dict[str, Any] = {"samples": 0, "tokens": 0, "images": 0, "videos": 0, "bad": {}, "messages": []}
 
     def bad(shard: str, key: str | None, kind: str, detail: str) -> None:
         report["bad"][kind] = report["bad"].get(kind, 0) + 1
@@ -176,13 +244,14 @@ def check_shards(path: str, encoder: VisionLanguageEncoder, *, max_tokens: int) 
                     if len(parsed) > max_tokens:
                         detail = f"{len(parsed)} tokens (images expanded) exceed --max-tokens={max_tokens}"
                         raise BadSample("too_long", detail)
-                    doc = encoder.document(key, shard, files, parsed)
+                    doc = encoder.document(key, shard, files, parsed, loss_on="all")
                 except BadSample as e:
                     bad(shard, key, e.kind, e.detail)
                     continue
                 report["samples"] += 1
                 report["tokens"] += len(doc)
                 report["images"] += int(doc.image_grid_thw.shape[0])
+                report["videos"] += 0 if doc.video_grid_thw is None else int(doc.video_grid_thw.shape[0])
         except Exception as e:  # noqa: BLE001 - any tar failure is reported per shard
             bad(shard, None, "unreadable_shard", f"{type(e).__name__}: {e}")
     assert set(report["bad"]) <= set(VL_BAD_KINDS)

@@ -9,7 +9,7 @@ from hyper_parallel.models.qwen3_5_moe_v2.model import qwen3_5_moe_config
 from hyper_parallel.models.qwen3_5_v2.trainer_config import qwen3_5_text_trainer
 from hyper_parallel.trainer import Trainer
 
-__all__ = ["qwen3_5_moe_a3b", "qwen3_5_moe_a3b_ep8", "qwen3_5_moe_debug"]
+__all__ = ["qwen3_5_moe_a3b", "qwen3_5_moe_a3b_128k", "qwen3_5_moe_a3b_256k", "qwen3_5_moe_a3b_ep8", "qwen3_5_moe_debug", "qwen3_5_moe_sft_debug"]
 
 
 def qwen3_5_moe_debug() -> Trainer.Config:
@@ -22,6 +22,22 @@ def qwen3_5_moe_debug() -> Trainer.Config:
         router_aux_loss_coef=0.001, max_position_embeddings=4096,
     )  # fmt: skip
     return qwen3_5_text_trainer("qwen3_5_moe", model, debug=True)
+
+
+def qwen3_5_moe_sft_debug() -> Trainer.Config:
+    """``qwen3_5_moe_debug`` fine-tuned on the embedded toy conversations (toy_chat.jsonl), assistant turns only.
+
+    Your own chats: ``--data.path chats.jsonl --data.tokenizer /models/Qwen3.5-35B-A3B`` (README, "Fine-tune on
+    your own chat data")."""
+    cfg = qwen3_5_moe_debug()
+    cfg.training.steps = 60
+    cfg.data.chat_column = "messages"
+    cfg.data.loss_on = "assistant"
+    cfg.data.split_long_documents = False  # a conversation is cut at a turn boundary, never mid-turn
+    cfg.data.long_conversations = "cut"
+    cfg.data.max_tokens_per_microbatch = 256
+    cfg.data.global_batch_tokens = 512
+    return cfg
 
 
 def qwen3_5_moe_a3b() -> Trainer.Config:
@@ -46,4 +62,33 @@ def qwen3_5_moe_a3b_ep8() -> Trainer.Config:
     """``qwen3_5_moe_a3b`` with the 256 routed experts spread over 8 expert-parallel ranks."""
     cfg = qwen3_5_moe_a3b()
     cfg.parallelism.expert_parallel_degree = 8
+    return cfg
+
+
+def qwen3_5_moe_a3b_128k() -> Trainer.Config:
+    """``qwen3_5_moe_a3b`` at 128k tokens per sequence on one node (8 x 80 GiB): context parallel 8.
+
+    Every rank holds 16k tokens of each sequence (balanced order: pieces r and 15 - r of 16). The gated
+    attention has 2 K/V heads, so it gathers K/V over the 8 ranks (Llama 3's all-gather form); Gated DeltaNet's
+    16 key heads split 2 per rank (Ulysses). Muon: AdamW's two fp32 moments take 32 GiB per rank here, which
+    with the fp32 parameter and gradient shards (16 GiB each) leaves too little for 16k-token activations and
+    the 248k-vocabulary logits.
+    """
+    cfg = qwen3_5_moe_a3b()
+    cfg.parallelism.context_parallel_degree = 8
+    cfg.data.max_tokens_per_microbatch = 131072
+    cfg.optimizer.name = "muon"
+    return cfg
+
+
+def qwen3_5_moe_a3b_256k() -> Trainer.Config:
+    """``qwen3_5_moe_a3b`` at 256k tokens per sequence on two nodes (16 x 80 GiB): context parallel 16.
+
+    Every rank holds 16k tokens of each sequence; attention gathers K/V over the 16 ranks, Gated DeltaNet's
+    16 key heads split one per rank (Ulysses). FSDP over the 16 ranks halves the static state per rank, so
+    AdamW fits.
+    """
+    cfg = qwen3_5_moe_a3b()
+    cfg.parallelism.context_parallel_degree = 16
+    cfg.data.max_tokens_per_microbatch = 262144
     return cfg

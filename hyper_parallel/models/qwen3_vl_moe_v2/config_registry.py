@@ -6,13 +6,14 @@
 from __future__ import annotations
 
 from hyper_parallel.components import CheckpointManager, LRSchedulersContainer, MetricsProcessor, OptimizersContainer
-from hyper_parallel.config import ParallelismConfig, TrainingConfig
+from hyper_parallel.config import ActivationCheckpointConfig, ParallelismConfig, TrainingConfig
 from hyper_parallel.data import VisionLanguageDataLoader
 from hyper_parallel.data.vision_language.preprocess import ImageProcessor
+from hyper_parallel.data.vision_language.video import VideoProcessor
 from hyper_parallel.models.qwen3_vl_moe_v2.model import qwen3_5_moe_vl_config, qwen3_vl_moe_config
 from hyper_parallel.trainer import Trainer
 
-__all__ = ["qwen3_5_moe_vl_debug", "qwen3_vl_moe_a3b", "qwen3_vl_moe_a3b_ep8", "qwen3_vl_moe_debug"]
+__all__ = ["qwen3_5_moe_vl_debug", "qwen3_vl_moe_a3b", "qwen3_vl_moe_a3b_ep8", "qwen3_vl_moe_debug", "qwen3_vl_moe_sft_debug"]
 
 # The toy VL corpus uses the 512-id toy tokenizer; image / vision-start / vision-end ids 512..514.
 _TOY_IDS = dict(image_token_id=512, vision_start_token_id=513, vision_end_token_id=514, video_token_id=515)
@@ -28,6 +29,7 @@ def _debug_trainer(model, spec: str) -> Trainer.Config:
         data=VisionLanguageDataLoader.Config(
             max_tokens_per_microbatch=512, global_batch_tokens=1024,
             image=ImageProcessor.Config(min_pixels=32 * 32, max_pixels=128 * 128),
+            video=VideoProcessor.Config(min_pixels=4 * 32 * 32, max_pixels=8 * 64 * 64),
         ),  # fmt: skip
         optimizer=OptimizersContainer.Config(name="adamw", lr=3e-3, weight_decay=0.01),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=5, decay_type="cosine", min_lr_ratio=0.1),
@@ -45,6 +47,14 @@ def qwen3_vl_moe_debug() -> Trainer.Config:
         max_position_embeddings=4096, vision={**_TOY_VISION, "deepstack_visual_indexes": (0, 1)}, **_TOY_IDS,
     )  # fmt: skip
     return _debug_trainer(model, "qwen3_vl_moe")
+
+
+def qwen3_vl_moe_sft_debug() -> Trainer.Config:
+    """``qwen3_vl_moe_debug`` fine-tuned on the embedded toy picture conversations (user: images + question in
+    transformers' content-list form; assistant: the caption), assistant turns only."""
+    cfg = qwen3_vl_moe_debug()
+    cfg.data.loss_on = "assistant"  # with an empty data.path: the toy corpus's all-conversation variant
+    return cfg
 
 
 def qwen3_5_moe_vl_debug() -> Trainer.Config:
@@ -79,6 +89,8 @@ def qwen3_vl_moe_a3b() -> Trainer.Config:
         model=model,
         training=TrainingConfig(steps=10000, max_norm=1.0, mixed_precision_param="bfloat16"),
         parallelism=ParallelismConfig(data_parallel_shard_degree=-1),
+        # full recomputation: without it one 8192-token micro-batch peaks at ~147 GiB on 8 x 80 GiB (dry run)
+        activation_checkpoint=ActivationCheckpointConfig(mode="full"),
         data=VisionLanguageDataLoader.Config(max_tokens_per_microbatch=8192, global_batch_tokens=0, num_workers=2),
         optimizer=OptimizersContainer.Config(name="adamw", lr=2e-5, weight_decay=0.1),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=200, decay_type="cosine", min_lr_ratio=0.1),

@@ -163,7 +163,7 @@ def test_expansion_labels_and_index_lengths(numbered, encoder, tok):
     spec = encoder.index_spec()
     for rec in read_samples(numbered):
         key, files = rec["key"], rec["files"]
-        doc = encoder.document(key, rec["shard"], files)
+        doc = encoder.document(key, rec["shard"], files, loss_on="all")  # every text target (chats: see test_chat_data)
         assert spec.stats(key, files)["length"] == len(doc)  # the plan's length is the decoded length
         ids, labels = doc.input_ids, doc.labels
         grids = doc.image_grid_thw.tolist()

@@ -210,6 +210,9 @@ CHAT_CASES = {
     "chat_not_list": ({"messages": "hello"}, "bad_type"),
     "chat_no_role": ({"messages": [{"content": "hi"}]}, "bad_type"),
     "chat_empty": ({"messages": []}, "empty"),
+    "chat_role_order": ({"messages": [{"role": "assistant", "content": "hi"}]}, "bad_conversation"),
+    "chat_unknown_role": ({"messages": [{"role": "robot", "content": "beep"}]}, "bad_conversation"),
+    "chat_part_not_string": ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "bad_conversation"),
 }
 
 
@@ -247,15 +250,15 @@ def test_chat_template_rejects_record(toy, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (folder / name).write_bytes((Path(toy.tokenizer_dir) / name).read_bytes())
     (folder / "chat_template.jinja").write_text(
-        "{% for m in messages %}{% if m['role'] not in ['user', 'assistant', 'mute'] %}"
-        "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
-        "{% if m['role'] != 'mute' %}{{ m['content'] }}{% endif %}{% endfor %}"
+        "{% for m in messages %}{% if m['content'] == 'beep' %}"
+        "{{ raise_exception('no robots: ' + m['content']) }}{% endif %}"
+        "{% if m['content'] != 'mute' %}{{ m['content'] }}{% endif %}{% endfor %}"
     )
-    rows = [*CHAT_GOOD[:BAD_AT], {"messages": [{"role": "robot", "content": "beep"}]}, *CHAT_GOOD[BAD_AT:],
-            {"messages": [{"role": "mute", "content": "renders nothing"}]}]
+    rows = [*CHAT_GOOD[:BAD_AT], {"messages": [{"role": "user", "content": "beep"}]}, *CHAT_GOOD[BAD_AT:],
+            {"messages": [{"role": "user", "content": "mute"}]}]
     path = _lines(tmp_path / "chats.jsonl", rows)
     spec = TextRecordSpec(chat_column="messages")
-    with pytest.raises(BadSampleError, match=r"row 2.*unknown role robot.*\[undecodable\]"):
+    with pytest.raises(BadSampleError, match=r"row 2.*no robots: beep.*\[undecodable\]"):
         list(iter_text_documents([path], str(folder), spec))
     counts = {}
     docs = list(iter_text_documents([path], str(folder), spec, on_bad_sample="skip", bad_counts=counts))
