@@ -32,6 +32,7 @@ from hyper_parallel.components import (
     Profiler,
     assert_finite,
 )
+from hyper_parallel.components.loss import top1_correct
 from hyper_parallel.components.source_metrics import SourceLossMeter
 from hyper_parallel.config.dtypes import to_torch_dtype
 from hyper_parallel.config import (
@@ -44,6 +45,7 @@ from hyper_parallel.config import (
     TrainingConfig,
 )
 from hyper_parallel.data import DataConfig, DataStateMismatch
+from hyper_parallel.data.packing import add_mtp_targets
 from hyper_parallel.distributed.context_parallel import split_batch_for_cp
 from hyper_parallel.distributed.env import init_distributed, set_determinism, set_pg_timeouts, world_info
 from hyper_parallel.distributed.fsdp import set_gradient_reduction
@@ -116,6 +118,8 @@ class Trainer(Configurable):
         super().__init__(config)
         self.config: Trainer.Config = config
         config.validate()
+        # close() destroys the default group only if this trainer created it (not a caller's, e.g. a test pool's).
+        self._owns_process_group = not (dist.is_available() and dist.is_initialized())
         self.device = init_distributed(config.comm)
         self.rank, _, self.world_size = world_info()
         set_determinism(config.debug.seed, deterministic=config.debug.deterministic)
@@ -135,12 +139,15 @@ class Trainer(Configurable):
                     f"{list(self.spec.data_sources)} (--data.source or data.sources[*].source)"
                 )
         self.dp_rank, self.dp_world = self._dp_coordinates()
-        # CP splits every row into equal chunks, and SP splits each chunk again over TP ranks.
+        # CP splits every row into equal chunks, and SP splits each chunk again over TP ranks. A model with no
+        # inputs beyond the generic contract may get the balanced CP order (2 pieces per rank, see
+        # context_parallel.apply_context_parallel): its rows are padded to 2 x cp.
         pd = self.parallel_dims
+        cp_pieces = 2 if pd.cp > 1 and not self.spec.model.input_keys else 1
         self.data = config.data.build(
             dp_rank=self.dp_rank,
             dp_world_size=self.dp_world,
-            seq_multiple=pd.cp * (pd.tp if pd.sp_enabled else 1),
+            seq_multiple=cp_pieces * pd.cp * (pd.tp if pd.sp_enabled else 1),
             model_facts=self.spec.data_facts(config.model),
         )
 
@@ -172,6 +179,8 @@ class Trainer(Configurable):
         # 5. checkpoints (resume from the newest complete one), metrics
         self.step = 0
         self.model_has_aux_loss: bool | None = None  # learnt from the first step's output
+        self.mtp_config = getattr(config.model, "mtp", None)
+        """The model's multi-token-prediction block (None = off): the batch gets MTP targets, the loss its term."""
         self.dump_folder = Path(config.dump_folder)
         self.checkpointer = config.checkpoint.build(
             dump_folder=self.dump_folder,
@@ -210,14 +219,17 @@ class Trainer(Configurable):
 
         Random init: models up to a few GiB are initialised as a full copy on every rank (same seed), then
         each rank keeps its shard, so every layout starts from bit-identical weights; bigger models
-        initialise their shards in place. HF weights (one path for every size): rank 0 alone builds the
-        seeded full model on the CPU, loads the folder into it, and every rank receives its shards.
+        initialise their shards in place. HF weights: every rank reads the slices of its own shards.
         """
         path = self.config.checkpoint.initial_load_path
         torch.manual_seed(self.config.debug.seed)
         if path:
             self._load_hf_weights(path)
             return
+        self._random_init()
+
+    @torch.no_grad()
+    def _random_init(self) -> None:
         nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if nbytes <= _FULL_INIT_MAX_BYTES:
             full = self.config.model.build()
@@ -228,12 +240,15 @@ class Trainer(Configurable):
             self.model.init_weights()
 
     def _load_hf_weights(self, path: str) -> None:
-        """Rank 0 reads and converts the HF folder into a seeded full model; every rank receives its shards.
+        """Every rank reads only the slices of the HF folder that its own shards cover (in parallel; no
+        rank holds the whole model) and converts them per tensor (``hf_io.load_checked``).
 
-        Keys the model does not hold (``hf_passthrough``: e.g. a VQ decoder, a vision tower, MTP layers)
-        stay on rank 0's model object and are written back by the export. Rank 0's read can take long
-        for a big folder while the others wait in the broadcast, so this phase runs under its own
-        ``--comm.hf_load_timeout_seconds``, then the init timeout is restored.
+        A folder that does not fill every parameter (a plain Glm4MoeLite checkpoint for GlmImageMoe's image
+        parts, no MTP weights) gets the seeded random init first, identical across layouts. Keys the model
+        does not hold (``hf_passthrough``: e.g. a VQ decoder, a vision tower, MTP layers) stay as lazy
+        references to the folder's files, read again by the export. A big folder can take long to read on
+        a slow file system, so this phase runs under its own ``--comm.hf_load_timeout_seconds``, then the
+        init timeout is restored.
         """
         if self.spec.load_hf_weights is None:
             raise NotImplementedError(
@@ -243,16 +258,7 @@ class Trainer(Configurable):
         comm = self.config.comm
         if distributed:
             set_pg_timeouts(comm.hf_load_timeout_seconds, self.parallel_dims.world_mesh)
-        sd: dict[str, torch.Tensor] = {}
-        if self.rank == 0:
-            full = self.config.model.build()
-            full.init_weights()
-            self.spec.load_hf_weights(full, path)
-            sd = full.state_dict()
-            self.model.hf_passthrough = dict(getattr(full, "hf_passthrough", {}) or {})
-            del full
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed, strict=not distributed)
-        set_model_state_dict(self.model, sd, options=options)
+        self.spec.load_hf_weights(self.model, path, init_missing=self._random_init)
         if distributed:
             set_pg_timeouts(comm.init_timeout_seconds, self.parallel_dims.world_mesh)
         _init_buffers(self.model)
@@ -313,21 +319,31 @@ class Trainer(Configurable):
         cfg = self.config
         pd = self.parallel_dims
         cp_rank = pd.mesh_coordinate("cp") if pd.cp > 1 else 0
+        shard = getattr(self.model, "cp_shard", None)  # the batch order context parallel chose
+        cp_balanced = shard is not None and shard.balanced
         # Context parallel: each CP rank keeps a contiguous chunk of every row (attention sees all); split on
         # the host so only the chunk is copied to the device.
+        # Multi-token prediction: the next ids and the targets two ahead, per document, on the host and before
+        # the CP split (which slices them like the labels).
+        mtp = self.mtp_config
         host_batches = [
             split_batch_for_cp(
-                mb, cp_rank, pd.cp, split_inputs=self.model_cls.split_inputs_for_cp, model_keys=self.model_cls.input_keys
-            )
+                add_mtp_targets(mb, ignore_index=cfg.loss.ignore_index) if mtp is not None else mb,
+                cp_rank, pd.cp, split_inputs=self.model_cls.split_inputs_for_cp, model_keys=self.model_cls.input_keys,
+                balanced=cp_balanced,
+            )  # fmt: skip
             for mb in self.data.next_step()
         ]
         # Exact global token mean: labelled tokens counted on the host (no device sync), one all-reduce.
         local_tokens = sum(int((mb["labels"] != cfg.loss.ignore_index).sum()) for mb in host_batches)
         local_inputs = sum(mb["input_ids"].numel() for mb in host_batches)
+        local_mtp = sum(int((mb["mtp_labels"] != cfg.loss.ignore_index).sum()) for mb in host_batches) if mtp else 0
         counts = self._sum_over_token_ranks(
-            torch.tensor([local_tokens, local_inputs], dtype=torch.float64, device=self.device)
+            torch.tensor([local_tokens, local_inputs, local_mtp], dtype=torch.float64, device=self.device)
         )
-        global_tokens, global_inputs = counts.tolist()
+        global_tokens, global_inputs, global_mtp = counts.tolist()
+        mtp_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        mtp_correct = torch.zeros((), dtype=torch.float64, device=self.device)
         micro_batches = [self._to_device(mb) for mb in host_batches]
         self.optimizers.zero_grad()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -349,6 +365,7 @@ class Trainer(Configurable):
                     max_seqlen=mb["max_seqlen"],
                     cu_seqlens_host=mb.get("cu_seqlens_host"),
                     **inputs,
+                    **({"mtp_input_ids": mb["mtp_input_ids"]} if mtp is not None else {}),
                 )
                 logits, aux_loss = split_output(out)
                 loss = self.loss_fn(logits, mb["labels"], num_tokens=global_tokens)
@@ -357,7 +374,13 @@ class Trainer(Configurable):
                 if aux_loss is not None:
                     aux_sum += aux_loss.detach().float() * aux_scale
                     loss = loss + aux_loss * aux_scale
-                loss.backward()
+                objective = loss
+                if mtp is not None:  # token mean over the step's tokens that have a target two ahead
+                    mtp_loss = self.loss_fn(out.mtp_logits, mb["mtp_labels"], num_tokens=global_mtp)
+                    objective = loss + mtp.loss_weight * mtp_loss
+                    mtp_sum += mtp_loss.detach().float()
+                    mtp_correct += top1_correct(out.mtp_logits, mb["mtp_labels"], ignore_index=cfg.loss.ignore_index)
+                objective.backward()
             loss_sum += loss.detach().float()
         global_loss = self._sum_over_token_ranks(loss_sum).item()
         grad_norm = clip_grad_norm_(
@@ -380,8 +403,14 @@ class Trainer(Configurable):
             self.ema.update(self.model)
         expert_load = self._expert_load_and_balance()
         extra = {"skipped": float(not finite), **self.data.metrics()}
+        # share of the step's positions that carry loss (assistant-only chat data trains a fraction)
+        extra["tokens/trained"] = global_tokens / max(global_inputs, 1.0)
         if per_source is not None:
             extra.update(per_source.reduce(self._sum_over_token_ranks))  # loss/<name>
+        if mtp is not None:  # loss/mtp is not part of `loss` (the LM loss); the objective adds it weighted
+            mtp_stats = self._sum_over_token_ranks(torch.stack([mtp_sum.double(), mtp_correct])).tolist()
+            extra["loss/mtp"] = mtp_stats[0]
+            extra["mtp/top1"] = mtp_stats[1] / max(global_mtp, 1.0)
         if self.model_has_aux_loss is not False:
             aux = self._sum_over_token_ranks(aux_sum).item()
             self.model_has_aux_loss = self.model_has_aux_loss or aux != 0.0
@@ -456,7 +485,9 @@ class Trainer(Configurable):
 
     # ------------------------------------------------------------------ export / close
     def export_hf(self, path: str | os.PathLike) -> None:
-        """Gather full weights (EMA weights when EMA is on) and write the HF format on rank 0.
+        """Write the HF format of the weights (EMA weights when EMA is on) from every rank: one tensor at a
+        time is gathered, and each rank writes the safetensors files it owns (rank 0 the index and config),
+        so no rank holds the whole model (``hf_io.save_converted``).
 
         The run's one export path (``--checkpoint.export_hf`` writes ``<dump_folder>/hf`` after the last step).
         """
@@ -468,21 +499,28 @@ class Trainer(Configurable):
         # Write inside the swap: on the CPU the gathered tensors may alias the parameters, which the swap
         # restores to the live weights on exit.
         with ctx:
-            sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            if self.rank == 0:
-                dtype = to_torch_dtype(self.config.checkpoint.export_dtype, field="checkpoint.export_dtype")
-                self.spec.save_pretrained(self.model, path, state_dict=sd, dtype=dtype)  # config + passthrough
-                self._log(f"HF export written to {path}")
+            sd = get_model_state_dict(self.model)  # our names; sharded DTensors, nothing gathered yet
+            dtype = to_torch_dtype(self.config.checkpoint.export_dtype, field="checkpoint.export_dtype")
+            self.spec.save_pretrained(self.model, path, state_dict=sd, dtype=dtype)  # every rank; config + passthrough
+            self._log(f"HF export written to {path}")
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()
 
     def close(self) -> None:
-        """Finish async saves, stop data workers, write the loss curve, destroy the process group."""
+        """Finish async saves, stop data workers, write the loss curve, destroy the process groups.
+
+        Every group the run's meshes made is destroyed (``ParallelDims.close``), and the default group too
+        when this trainer created it; so a process can build trainer after trainer without leaking groups
+        (threads on gloo, communicators on NCCL). Parameters stay readable afterwards, but the model can no
+        longer communicate. Idempotent.
+        """
         self.checkpointer.close()
         self.data.close()
         self.metrics.close()
-        if dist.is_initialized():
+        self.parallel_dims.close()
+        if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
+        self._owns_process_group = False
 
 
 def validate_model_layout(spec: ModelSpec, model_config: Any, parallel_dims: ParallelDims) -> None:

@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from hyper_parallel.config.configurable import Configurable, config_to_dict
+from hyper_parallel.distributed.teardown import destroy_group
 
 __all__ = ["CheckpointManager", "ModelWrapper", "assert_finite", "get_rng_state", "set_rng_state"]
 
@@ -409,11 +410,14 @@ class CheckpointManager(Configurable):
         return state["train_state"].step
 
     def close(self) -> None:
-        """Finish a pending async save and free the staging buffers."""
+        """Finish a pending async save, free the staging buffers and destroy the async writer's group."""
         self.wait()
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        if self._pg is not None:
+            destroy_group(self._pg)
+            self._pg = None  # on gloo, dropping the last reference is what stops the group's threads
 
 
 def _config_json(config: Any) -> Any:

@@ -14,6 +14,7 @@ from hyper_parallel.distributed.context_parallel import (
     split_batch_for_cp,
 )
 from hyper_parallel.distributed.env import (
+    destroy_distributed,
     device_type,
     get_device,
     init_distributed,
@@ -39,6 +40,7 @@ __all__ = [
     "apply_ulysses_cp",
     "clip_grad_norm_",
     "declared_shardings",
+    "destroy_distributed",
     "device_type",
     "dist_max",
     "dist_sum",

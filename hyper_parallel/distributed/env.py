@@ -17,8 +17,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from hyper_parallel.config.training import CommConfig
+from hyper_parallel.distributed.teardown import release_tracked_meshes
 
 __all__ = [
+    "destroy_distributed",
     "device_type",
     "get_device",
     "init_distributed",
@@ -78,6 +80,18 @@ def init_distributed(comm: CommConfig | None = None) -> torch.device:
     else:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return device
+
+
+def destroy_distributed() -> None:
+    """Destroy every process group of this process: each live mesh's groups, then the default group.
+
+    The teardown of a process that ran jobs without closing their ``ParallelDims`` (a failed run, a
+    test job): ``dist.destroy_process_group()`` alone leaves the meshes' groups alive (see
+    ``teardown.py``). A run that owns its meshes closes them itself (``Trainer.close()``).
+    """
+    release_tracked_meshes()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def set_pg_timeouts(timeout_seconds: int, world_mesh: DeviceMesh | None = None) -> None:

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hyper_parallel.config.errors import ConfigError
 from hyper_parallel.config.parallelism import ParallelismConfig
+from hyper_parallel.distributed.teardown import release_mesh, track_mesh
 from hyper_parallel.protocols.sharding import MeshAxisName
 
 __all__ = ["ParallelDims"]
@@ -54,6 +55,8 @@ class ParallelDims:
     Build it with ``ParallelDims.from_config(parallelism, world_size)``; that validates the degree
     arithmetic before any model exists. ``validate_model(...)`` then checks model facts (heads,
     experts, dimensions) against the degrees. Both raise ``ConfigError`` naming what to change.
+    ``build_mesh`` creates the process groups of every view; this object owns them and ``close()``
+    destroys them.
     """
 
     dp_replicate: int
@@ -147,12 +150,8 @@ class ParallelDims:
                     f"tensor_parallel_degree ({self.tp}) does not divide the model's {name} ({value}): "
                     f"set {_P}tensor_parallel_degree to a divisor of {value}"
                 )
-            if (value // self.tp) % self.cp:
-                raise ConfigError(
-                    f"context_parallel_degree ({self.cp}) does not divide the attention heads per tensor-parallel "
-                    f"rank ({name}={value} / tp {self.tp} = {value // self.tp}): Ulysses CP splits heads, so set "
-                    f"{_P}context_parallel_degree to a divisor of {value // self.tp}"
-                )
+            # context parallel needs no head check: beyond the heads per tp rank it gathers K/V instead of
+            # splitting heads (``context_parallel.apply_context_parallel``)
         for name, value in (tp_dims or {}).items():
             if value % self.tp:
                 raise ConfigError(
@@ -246,10 +245,12 @@ class ParallelDims:
 
         Needs an initialised default process group of ``world_size`` ranks. Only axes of degree > 1
         (and the FSDP axes ``dp_shard_cp``/``efsdp``) get process groups: on gloo every group costs a
-        rendezvous. ``mesh()`` never returns a degree-1 axis.
+        rendezvous. ``mesh()`` never returns a degree-1 axis. The groups are this object's: ``close()``
+        destroys them (building again first releases the previous mesh's groups, if any are still live).
         """
+        self.close()
         world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
-        self._meshes.clear()
+        track_mesh(world)  # released by close(), or by release_tracked_meshes() if nobody closes this
         self._meshes["world"] = world
         for view, names in _VIEWS.items():
             if view == "sparse" and self.ep == 1 and self.tp == 1:
@@ -258,6 +259,18 @@ class ParallelDims:
             if kept:
                 self._meshes[view] = world._unflatten(0, tuple(self.degree(n) for n in kept), kept)
         return world
+
+    def close(self) -> None:
+        """Destroy every process group the mesh made (views, flattened axes) and forget the meshes.
+
+        Idempotent. The default process group is not this object's and stays; DTensors and FSDP modules
+        on these meshes can no longer communicate. See ``teardown.py`` for why ``destroy_process_group()``
+        alone left every group (and its threads / NCCL communicators) alive.
+        """
+        if self._meshes:
+            release_mesh(self._meshes["world"])
+            self._meshes.clear()
+
     @property
     def world_mesh(self) -> DeviceMesh:
         if not self._meshes:

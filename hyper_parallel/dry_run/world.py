@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyper_parallel.distributed.env import destroy_distributed
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.protocols.model_spec import ModelSpec
 from hyper_parallel.trainer import Trainer, validate_model_layout
@@ -23,7 +24,10 @@ MESH_DEVICE = "cpu"
 
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int) -> Iterator[None]:
-    """A default process group of ``world_size`` ranks on torch's ``fake`` backend, as ``rank``."""
+    """A default process group of ``world_size`` ranks on torch's ``fake`` backend, as ``rank``.
+
+    On exit every group of the world is destroyed, those of the meshes built in it included.
+    """
     # torch's fake process group (a test utility, but the supported way to simulate a world: torchtitan's
     # memory estimator uses it too); importing it registers the "fake" backend.
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -37,7 +41,7 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        destroy_distributed()
 
 
 def validate_layout(spec: ModelSpec, config: Trainer.Config, parallel_dims: ParallelDims) -> None:

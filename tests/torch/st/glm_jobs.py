@@ -322,6 +322,5 @@ def trainer_job(parallelism: dict[str, Any], steps: int, dump_folder: str, data_
         codebook_identical=all(torch.equal(g, gathered[0]) for g in gathered),
         parallel_dims=str(trainer.parallel_dims),
     )
-    trainer.checkpointer.close()
-    trainer.metrics.close()
+    trainer.close()  # its meshes' groups; the pool's default group stays (the trainer did not create it)
     return summary

@@ -3,8 +3,12 @@
 Starting a Python process that imports torch.distributed costs seconds, and a test session runs
 dozens of layouts; so the pool spawns ``max_world`` workers once and reuses them. Each job runs on
 ranks ``0..world_size-1``: those workers create a fresh default process group (a new TCPStore port
-per job), run ``fn(*args)`` and tear the group down again (and drop DTensor's plan caches, which would
-otherwise outlive the job's groups). Results (picklable) come back per rank.
+per job), run ``fn(*args)`` and tear down every group the job made with the library's own teardown
+(``destroy_distributed``: the groups of every mesh the job built, DTensor's mesh caches, then the
+default group), then collect the job's garbage: FSDP state and DTensors form reference cycles, and a
+cycle that still holds a gloo group keeps its threads running until a full collection. So a worker
+is back at its baseline thread count after every job (``test_process_group_teardown.py``).
+Results (picklable) come back per rank.
 
 A failing rank usually leaves the others blocked in a collective; the pool then reports the first
 error at once and restarts all workers, so one broken layout cannot hang the whole session.
@@ -12,6 +16,7 @@ error at once and restarts all workers, so one broken layout cannot hang the who
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import socket
@@ -48,7 +53,12 @@ def _free_port() -> int:
 def _worker(rank: int, jobs: mp.Queue, results: mp.Queue) -> None:
     import torch
 
+    import hyper_parallel.distributed  # noqa: F401 - imported once here, not inside the first job
+
     torch.set_num_threads(1)
+    # The imports made ~3e5 long-lived objects: freezing them makes the per-job gc.collect() below scan only
+    # what jobs created (a full pass over everything takes ~0.3-1 s here).
+    gc.freeze()
     while True:
         job = jobs.get()
         if job is None:
@@ -75,29 +85,16 @@ def _run_job(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
 
     import torch.distributed as dist
 
+    from hyper_parallel.distributed.env import destroy_distributed
+
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     try:
         return fn(*args, **kwargs)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        _forget_meshes()
-
-
-def _forget_meshes() -> None:
-    """Drop DTensor's caches of sharding and redistribution plans.
-
-    They are keyed by meshes that compare equal across jobs (same shape and names) but hold the process
-    groups of the job that created them; a later job would otherwise reuse destroyed groups.
-    """
-    import torch
-    from torch.distributed.tensor import _redistribute
-    from torch.distributed.tensor._api import DTensor
-
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()
-    _redistribute._gen_transform_infos.cache_clear()
+        try:
+            destroy_distributed()
+        finally:
+            gc.collect()  # the job's model/FSDP cycles still hold gloo groups (threads) until collected
 
 
 class WorkerPool:
@@ -120,15 +117,23 @@ class WorkerPool:
         for p in self._procs:
             p.start()
 
+    def _ensure_started(self) -> None:
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self._start()
+
+    def pids(self) -> list[int]:
+        """Process ids of the workers by rank (starting them if needed)."""
+        self._ensure_started()
+        return [p.pid for p in self._procs]
+
     def run(
         self, fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, **kwargs: Any
     ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on ranks ``0..world_size-1``; return the results by rank."""
         if not 1 <= world_size <= self.max_world:
             raise ValueError(f"world_size {world_size} must be in [1, {self.max_world}]")
-        if not self._procs or not all(p.is_alive() for p in self._procs):
-            self.close()
-            self._start()
+        self._ensure_started()
         port = _free_port()
         for r in range(world_size):
             self._jobs[r].put((fn, world_size, port, args, kwargs))

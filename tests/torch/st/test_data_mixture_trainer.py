@@ -6,25 +6,20 @@ run file (``[[data.sources]]``), fp32 deterministic:
 - 1 process and FSDP 2 give the same losses, per-source losses and per-source counters;
 - kill -9 after the step-3 checkpoint and run the same command again: the losses, the per-source
   losses (``loss/<name>``) and counters (``data/<name>/tokens``, ``.../epoch``) continue exactly as in
-  the uninterrupted run.
+  the uninterrupted run. The kill takes the whole launch and waits until every process of it has exited
+  (``launch.py``) before the resume.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from hyper_parallel.data import ToyCorpusSpec, write_toy_corpus
+from tests.torch.st import launch
 
-ROOT = Path(__file__).resolve().parents[3]
 STEPS = 8
 NAMES = ("gen", "mixed", "text")
 
@@ -77,23 +72,11 @@ def _command(dump: Path, nproc: int, run_file: Path) -> list[str]:
             "--debug.deterministic", "--metrics.log_freq", "1", "--training.steps", str(STEPS),
             "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "5", "--checkpoint.no_export_hf",
             "--lr_scheduler.warmup_steps", "2", "--dump_folder", str(dump)]  # fmt: skip
-    if nproc == 1:
-        return [sys.executable, "-m", "hyper_parallel.train", *args]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-            str(port), "-m", "hyper_parallel.train", *args]  # fmt: skip
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return launch.train_command(args, nproc)
 
 
 def _run(dump: Path, nproc: int, run_file: Path) -> None:
-    out = subprocess.run(_command(dump, nproc, run_file), cwd=ROOT, env=_env(), capture_output=True, text=True,
-                         timeout=600)  # fmt: skip
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-4000:]
+    launch.run(_command(dump, nproc, run_file))
 
 
 def _records(dump: Path) -> dict[int, dict]:
@@ -136,20 +119,7 @@ def test_mixture_same_on_one_and_two_ranks(reference, run_file, tmp_path):
 
 def test_kill9_and_resume_continues_losses_and_source_counters(reference, run_file, tmp_path):
     dump = tmp_path / "split"
-    proc = subprocess.Popen(_command(dump, 1, run_file), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + 600
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if (dump / "checkpoint" / "step-3" / ".metadata").is_file():
-                os.killpg(proc.pid, signal.SIGKILL)
-                break
-            time.sleep(0.005)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    launch.kill_when(_command(dump, 1, run_file), (dump / "checkpoint" / "step-3" / ".metadata").is_file)
     _run(dump, 1, run_file)  # the same command again resumes from step 3 (or later)
     resumed = _records(dump)
     assert sorted(resumed) == list(range(1, STEPS + 1))

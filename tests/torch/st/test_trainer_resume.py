@@ -1,20 +1,19 @@
 """kill -9 after (or during) a checkpoint, run the same command again: the loss sequence continues
-exactly as in an uninterrupted run (fp32, deterministic mode). One process, and 4 gloo ranks with FSDP."""
+exactly as in an uninterrupted run (fp32, deterministic mode). One process, and 4 gloo ranks with FSDP.
+
+The kill takes the whole launch (``torchrun`` and every rank, each in a session of its own) and waits until
+all of them have exited before the run is resumed (``launch.py``): no orphan writes into the folder meanwhile.
+"""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.torch.st import launch
+
 STEPS = 10
 ARGS = ["--module", "glm_image_moe", "--config", "glm_image_moe_debug", "--debug.deterministic",
         "--metrics.log_freq", "1", "--training.steps", str(STEPS), "--checkpoint.interval", "3",
@@ -22,28 +21,13 @@ ARGS = ["--module", "glm_image_moe", "--config", "glm_image_moe_debug", "--debug
         "--lr_scheduler.warmup_steps", "2", "--data.max_tokens_per_microbatch", "256"]  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _command(dump: Path, nproc: int) -> list[str]:
     args = [*ARGS, "--dump_folder", str(dump), "--data.global_batch_tokens", str(256 * nproc * 2)]
-    if nproc == 1:
-        return [sys.executable, "-m", "hyper_parallel.train", *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-            str(_free_port()), "-m", "hyper_parallel.train", *args]  # fmt: skip
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return launch.train_command(args, nproc)
 
 
 def _run(dump: Path, nproc: int) -> str:
-    out = subprocess.run(_command(dump, nproc), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout + out.stderr
+    return launch.run(_command(dump, nproc))
 
 
 def _losses(dump: Path) -> dict[int, float]:
@@ -55,22 +39,10 @@ def _losses(dump: Path) -> dict[int, float]:
 
 
 def _kill_when(dump: Path, nproc: int, ready) -> None:
-    """Start the run, SIGKILL its whole process group as soon as ``ready(checkpoint_folder)`` holds."""
-    proc = subprocess.Popen(_command(dump, nproc), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    """Start the run; as soon as ``ready(checkpoint_folder)`` holds, SIGKILL the whole launch and wait until
+    every process of it has exited."""
     folder = dump / "checkpoint"
-    deadline = time.monotonic() + 600
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if folder.is_dir() and ready(folder):
-                os.killpg(proc.pid, signal.SIGKILL)
-                break
-            time.sleep(0.005)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    launch.kill_when(_command(dump, nproc), lambda: folder.is_dir() and ready(folder))
 
 
 @pytest.mark.parametrize("nproc", [1, 4], ids=["1proc", "fsdp4"])
