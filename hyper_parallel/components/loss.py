@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from hyper_parallel.config.configurable import Function
 
-__all__ = ["BaseLoss", "CrossEntropyLoss", "loss_parallel_active"]
+__all__ = ["BaseLoss", "CrossEntropyLoss", "loss_parallel_active", "top1_correct"]
 
 
 def loss_parallel_active() -> bool:
@@ -49,6 +49,36 @@ def _is_vocab_sharded(logits: torch.Tensor) -> bool:
     return isinstance(logits, DTensor) and any(
         p.is_shard() and p.dim % logits.ndim == logits.ndim - 1 for p in logits.placements
     )
+
+
+@torch.no_grad()
+def top1_correct(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
+    """How many labelled tokens have their label as the arg-max of ``logits [..., V]`` (float64, 0-dim).
+
+    Vocab-sharded DTensor logits (loss parallel) are not gathered: each rank takes the max of its own
+    columns and the ranks' maxima are compared (ties go to the lowest vocabulary index, as ``argmax``).
+    """
+    valid = labels != ignore_index
+    if _is_vocab_sharded(logits):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        mesh = logits.device_mesh
+        if mesh.ndim != 1:
+            raise NotImplementedError("top1_correct: vocab-sharded logits on a multi-dimensional mesh")
+        _, offset = compute_local_shape_and_global_offset(logits.shape, mesh, logits.placements)
+        best, arg = logits.to_local().float().max(dim=-1)
+        arg = arg + offset[-1]
+        group = mesh.get_group()
+        world = torch.distributed.get_world_size(group)
+        bests, args = [torch.empty_like(best) for _ in range(world)], [torch.empty_like(arg) for _ in range(world)]
+        torch.distributed.all_gather(bests, best.contiguous(), group=group)
+        torch.distributed.all_gather(args, arg.contiguous(), group=group)
+        winner = torch.stack(bests).argmax(dim=0, keepdim=True)  # the first rank holding the max: lowest index
+        pred = torch.stack(args).gather(0, winner).squeeze(0)
+    else:
+        full = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        pred = full.argmax(dim=-1)
+    return ((pred == labels) & valid).sum().to(torch.float64)
 
 
 class BaseLoss(Function):

@@ -32,7 +32,15 @@ import torch
 
 from hyper_parallel.data.bad_samples import IGNORE_INDEX
 
-__all__ = ["Document", "FirstFitPacker", "TokenDocument", "batch_to_device", "collate_packed", "shift_labels"]
+__all__ = [
+    "Document",
+    "FirstFitPacker",
+    "TokenDocument",
+    "add_mtp_targets",
+    "batch_to_device",
+    "collate_packed",
+    "shift_labels",
+]
 
 R = TypeVar("R")
 
@@ -147,6 +155,37 @@ def collate_packed(
     if extras is not None:
         batch.update(extras(documents, offsets[:-1]))
     return batch
+
+
+def add_mtp_targets(batch: dict[str, Any], *, ignore_index: int = IGNORE_INDEX) -> dict[str, Any]:
+    """The batch plus the multi-token-prediction inputs, computed per document on the host.
+
+    ``mtp_input_ids[t] = input_ids[t + 1]`` and ``mtp_labels[t] = labels[t + 1]`` (the token two ahead of
+    ``t``), both ``[B, T]`` int64, when ``t + 1`` is in ``t``'s document; at the last position of every
+    document (and of every row) ``mtp_input_ids`` is -1 (the model embeds zeros there) and ``mtp_labels``
+    is ``ignore_index``, so no target crosses a document boundary. Documents are the segments of
+    ``cu_seqlens_host`` / ``cu_seqlens`` over the flattened ``B*T`` stream (the padding run included),
+    else the rows. Done before context parallel splits the batch, which then slices these like ``labels``.
+    """
+    input_ids, labels = batch["input_ids"], batch["labels"]
+    B, T = input_ids.shape
+    bounds = batch.get("cu_seqlens_host")
+    if bounds is None and batch.get("cu_seqlens") is not None:
+        bounds = batch["cu_seqlens"].tolist()
+    last = np.zeros(B * T, dtype=bool)  # positions without a next token in their document
+    last[T - 1 :: T] = True
+    if bounds is not None:
+        ends = np.asarray(bounds[1:], dtype=np.int64)
+        if len(ends) and int(ends[-1]) != B * T:
+            raise ValueError(f"cu_seqlens end at {int(ends[-1])} but the batch holds B*T = {B * T} tokens")
+        last[ends[ends > 0] - 1] = True
+    last_t = torch.from_numpy(last).view(B, T)
+    next_ids = torch.roll(input_ids.reshape(-1), -1).view(B, T).to(torch.int64)
+    next_labels = torch.roll(labels.reshape(-1), -1).view(B, T).to(torch.int64)
+    out = dict(batch)
+    out["mtp_input_ids"] = torch.where(last_t, torch.full_like(next_ids, -1), next_ids)
+    out["mtp_labels"] = torch.where(last_t, torch.full_like(next_labels, ignore_index), next_labels)
+    return out
 
 
 def batch_to_device(batch: dict[str, Any], device: torch.device | str, non_blocking: bool = True) -> dict[str, Any]:

@@ -175,6 +175,8 @@ def _run_step(
     parallel_ctx = getattr(type(loss_fn), "parallel_context", None)
     mb = _micro_batch(config, pd)
     global_tokens = float(mb["labels"].numel() * pd.dp * pd.cp * n_micro)
+    mtp = getattr(config.model, "mtp", None)  # the MTP block: its forward, head and loss count like the trainer's
+    mtp_kwargs = {"mtp_input_ids": torch.zeros_like(mb["input_ids"])} if mtp is not None else {}
     optimizers.zero_grad()
     for i in range(n_micro):
         last = i == n_micro - 1
@@ -189,9 +191,12 @@ def _run_step(
                 position_ids=mb["position_ids"],
                 cu_seqlens=mb["cu_seqlens"],
                 max_seqlen=mb["max_seqlen"],
+                **mtp_kwargs,
             )
             logits, aux = getattr(out, "logits", out), getattr(out, "aux_loss", None)
             loss = loss_fn(logits, mb["labels"], num_tokens=global_tokens)
+            if mtp is not None:
+                loss = loss + mtp.loss_weight * loss_fn(out.mtp_logits, mb["labels"], num_tokens=global_tokens)
             if aux is not None:
                 loss = loss + aux / n_micro
             del out, logits

@@ -30,6 +30,9 @@ class ModelOutput(NamedTuple):
 
     logits: torch.Tensor
     aux_loss: torch.Tensor | None = None
+    mtp_logits: torch.Tensor | None = None
+    """Multi-token prediction: logits ``[B, T, V]`` of token ``t + 2`` at position ``t`` (trained against the
+    batch's ``mtp_labels``), when the model has an MTP block and was given ``mtp_input_ids``."""
 
 
 def split_output(out: torch.Tensor | ModelOutput) -> tuple[torch.Tensor, torch.Tensor | None]:

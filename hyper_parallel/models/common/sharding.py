@@ -316,33 +316,58 @@ def set_decoder_sharding_config(
     def norm() -> ShardingConfig | None:  # a fresh config per module: no object is shared in the tree
         return norm_config() if enable_sp else None
 
-    layers = []
-    for i, layer in enumerate(cfg.layers):
+    def shard_layer(name: str, layer: Any, *, first: bool) -> Any:
         mlp = layer.mlp
         if isinstance(mlp, MoE.Config):
             mlp = set_moe_sharding(mlp, enable_sp=enable_sp, ep_degree=ep_degree)
         elif isinstance(mlp, FeedForward.Config):
             mlp = set_dense_ffn_sharding(mlp, token_placement=residual)
         else:
-            raise TypeError(f"layers.{i}.mlp is {type(mlp).__qualname__}; expected FeedForward or MoE")
+            raise TypeError(f"{name}.mlp is {type(mlp).__qualname__}; expected FeedForward or MoE")
         layer_sc = None
-        if enable_sp and i == 0:
+        if enable_sp and first:
             # The embedding output is whole (a multimodal embed indexes whole sequences): keep this rank's chunk.
             layer_sc = ShardingConfig(inputs={"x_BTD": {TP: Replicate()}}, desired_inputs={"x_BTD": {TP: Shard(1)}})
-        layers.append(
-            dataclasses.replace(
-                layer,
-                sharding_config=layer_sc,
-                self_attn=shard_mixer(layer.self_attn, residual),
-                mlp=mlp,
-                input_layernorm=_with(layer.input_layernorm, norm()),
-                post_attention_layernorm=_with(layer.post_attention_layernorm, norm()),
-            )
+        return dataclasses.replace(
+            layer,
+            sharding_config=layer_sc,
+            self_attn=shard_mixer(layer.self_attn, residual),
+            mlp=mlp,
+            input_layernorm=_with(layer.input_layernorm, norm()),
+            post_attention_layernorm=_with(layer.post_attention_layernorm, norm()),
         )
+
+    layers = [shard_layer(f"layers.{i}", layer, first=i == 0) for i, layer in enumerate(cfg.layers)]
+    changes: dict[str, Any] = {}
+    if getattr(cfg, "mtp", None) is not None:
+        changes["mtp"] = _mtp_sharding(cfg.mtp, shard_layer, enable_sp=enable_sp, norm=norm)
     return dataclasses.replace(
         cfg,
         embed_tokens=_with(cfg.embed_tokens, embedding_config()),
         layers=layers,
         norm=_with(cfg.norm, norm()),
         lm_head=_with(cfg.lm_head, lm_head_config(cfg.lm_head, input_placement=residual, loss_parallel=loss_parallel)),
+        **changes,
+    )
+
+
+def _mtp_sharding(mtp: Any, shard_layer: Callable[..., Any], *, enable_sp: bool, norm: Callable[[], Any]) -> Any:
+    """The MTP block (``models/common/mtp.py``) under TP. Its decoder layer is placed like a trunk layer. The
+    trunk's final-normed hidden state reaches it as the residual stream is (sequence-sharded with SP); the
+    next-token embedding arrives whole (the vocab-parallel embedding's output) and is cut to the rank's
+    sequence chunk on entry, as layer 0 does. With SP the pre-norms and ``fc`` then run on the rank's tokens
+    with replicated weights (DTensor sums their partial weight gradients over tp); without SP every tp rank
+    computes them whole and identically (plain modules)."""
+    fc_sc = ShardingConfig(params={"weight": {TP: Replicate()}}, inputs={"x": {TP: Shard(1)}}) if enable_sp else None
+    block_sc = None
+    if enable_sp:
+        block_sc = ShardingConfig(inputs={"e_BTD": {TP: Replicate()}}, desired_inputs={"e_BTD": {TP: Shard(1)}})
+    return dataclasses.replace(
+        mtp,
+        sharding_config=block_sc,
+        pre_fc_norm_embedding=_with(mtp.pre_fc_norm_embedding, norm()),
+        pre_fc_norm_hidden=_with(mtp.pre_fc_norm_hidden, norm()),
+        fc=_with(mtp.fc, fc_sc),
+        layers=[shard_layer(f"mtp.layers.{i}", layer, first=False) for i, layer in enumerate(mtp.layers)],
+        norm=_with(mtp.norm, norm()),
     )
