@@ -194,7 +194,7 @@ def _config_path(value: Any, flat: Mapping[str, Any]) -> dict[str, Any]:
         return {}  # the usual v1 habit: config_path repeats model_path; the weights folder is enough
     raise _Unconvertible(
         "no equivalent: the architecture comes from the recipe (--config), not from a config.json; write a "
-        "recipe whose model is GlmImageMoeModel.Config.from_hf(read_hf_config(path)), or drop the key when it "
+        "recipe whose model is glm_image_moe_v2.config_from_hf(read_hf_config(path)), or drop the key when it "
         "repeats model.model_path"
     )
 

@@ -29,6 +29,7 @@ __all__ = [
     "set_gradient_reduction",
     "shard_module",
     "sum_gradients",
+    "tied_groups",
 ]
 
 
@@ -90,6 +91,30 @@ def shard_module(
     # A list of modules forms one FSDP unit whose state the first module holds.
     sum_gradients(fsdp_module[0] if isinstance(fsdp_module, (list, tuple)) else fsdp_module)
     return fsdp_module
+
+
+def tied_groups(modules: Sequence[nn.Module]) -> list[list[nn.Module]]:
+    """``modules`` grouped so that modules sharing a parameter (tied embedding and LM head) are in one group.
+
+    Each group becomes ONE FSDP unit: a parameter can belong to one unit only, and FSDP2 keeps a parameter
+    that several modules of a unit hold as one sharded parameter (gathered once, gradients accumulated from
+    every use before the reduce-scatter). Groups keep the order of their first module.
+    """
+    groups: list[tuple[set[int], list[nn.Module]]] = []  # (ids of the group's parameters, its modules)
+    for module in modules:
+        ids = {id(p) for p in module.parameters()}
+        touching = [i for i, (group_ids, _) in enumerate(groups) if group_ids & ids]
+        if not touching:
+            groups.append((ids, [module]))
+            continue
+        first = touching[0]
+        for i in touching[1:]:  # a module tying two earlier groups merges them
+            groups[first][0].update(groups[i][0])
+            groups[first][1].extend(groups[i][1])
+        groups[first][0].update(ids)
+        groups[first][1].append(module)
+        groups = [g for i, g in enumerate(groups) if i not in touching[1:]]
+    return [members for _, members in groups]
 
 
 def fp32_policy_like(policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:

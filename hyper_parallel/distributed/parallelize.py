@@ -31,7 +31,7 @@ from hyper_parallel.config.parallelism import ParallelismConfig
 from hyper_parallel.config.training import ActivationCheckpointConfig, CompileConfig, TrainingConfig
 from hyper_parallel.distributed.activation_checkpoint import apply_activation_checkpointing
 from hyper_parallel.distributed.compile import apply_compile
-from hyper_parallel.distributed.context_parallel import apply_ulysses_cp
+from hyper_parallel.distributed.context_parallel import apply_context_parallel
 from hyper_parallel.distributed.expert_parallel import apply_expert_parallel_dispatch
 from hyper_parallel.distributed.fsdp import (
     cast_inputs_to_param_dtype,
@@ -39,6 +39,7 @@ from hyper_parallel.distributed.fsdp import (
     mixed_precision_policy,
     reshard_policy,
     shard_module,
+    tied_groups,
 )
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.distributed.tensor_parallel import apply_sharding_configs
@@ -163,9 +164,10 @@ def parallelize_decoder(
     pd = parallel_dims
     layers = list(layers)
 
-    # 1. context parallel: all-to-all around every attention core
+    # 1. context parallel around every sequence core: Ulysses all-to-all over heads where they divide, else
+    # K/V all-gather (attention) or state passing (Gated DeltaNet); chosen per core and logged
     if pd.cp_enabled:
-        apply_ulysses_cp(model, pd.mesh("cp"))
+        apply_context_parallel(model, pd.mesh("cp"), tp=pd.tp)
 
     # 2. activation checkpointing (first hooks on each layer)
     apply_activation_checkpointing(layers, ac_config)
@@ -195,8 +197,13 @@ def parallelize_decoder(
     # shard, the router and the routed experts.
     tp_partial = {id(m) for m in _tp_partial_param_modules(model, declared)} if pd.tp_enabled else set()
     separate_moe = pd.ep_enabled or pd.tp_enabled
-    for module in embeddings:
-        shard_module(module, dense_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    # Tied embedding and head share one parameter: one FSDP unit for both, sharded where the head is.
+    head = list(head)
+    units = tied_groups([*embeddings, *head])
+    head_units = [u for u in units if any(m in head for m in u)]
+    for unit in units:
+        if unit not in head_units:
+            shard_module(unit if len(unit) > 1 else unit[0], dense_mesh, mp_policy=mp, reshard_after_forward=reshard)
     for module in cast_input_modules:
         cast_inputs_to_param_dtype(module, mp)
     for layer in layers:
@@ -221,7 +228,7 @@ def parallelize_decoder(
                     shard_dim=1 if pd.ep_enabled else 0,
                 )
         shard_module(layer, dense_mesh, mp_policy=mp, reshard_after_forward=reshard)
-    for module in head:
-        shard_module(module, dense_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    for unit in head_units:
+        shard_module(unit if len(unit) > 1 else unit[0], dense_mesh, mp_policy=mp, reshard_after_forward=reshard)
     shard_module(model, dense_mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=list(ignored_params))
     return model

@@ -74,19 +74,46 @@ def _mentions(sc: ShardingConfig, axis: MeshAxisName) -> bool:
 
 
 def distribute_module_params(
-    module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement], *, default: Placement | None = Replicate()
+    module: nn.Module,
+    mesh: DeviceMesh,
+    placements: dict[str, Placement],
+    *,
+    default: Placement | None = Replicate(),
+    shared: dict[int, nn.Parameter] | None = None,
 ) -> None:
     """Replace the direct parameters of ``module`` by DTensors on 1-D ``mesh``.
 
     ``placements`` maps parameter name -> placement; others get ``default`` (None leaves them plain).
-    Works on meta tensors too (shard-before-materialise).
+    Works on meta tensors too (shard-before-materialise). ``shared`` (id of a plain parameter -> its
+    DTensor parameter, filled here) keeps a parameter that several modules hold (tied embeddings) ONE
+    parameter: the second module receives the DTensor made for the first.
     """
     for name, param in list(module.named_parameters(recurse=False)):
         placement = placements.get(name, default)
         if placement is None or isinstance(param, DTensor):
             continue
-        dt = distribute_tensor(param.data, mesh, [_normalize(placement, param.ndim)])
-        module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+        placement = _normalize(placement, param.ndim)
+        done = shared.get(id(param)) if shared is not None else None
+        if done is not None:
+            if tuple(done.placements) != (placement,):
+                raise ValueError(
+                    f"a parameter shared by several modules (tied weights) is declared {placement} in "
+                    f"{type(module).__name__}.{name} but {tuple(done.placements)} elsewhere: declare one placement"
+                )
+            module.register_parameter(name, done)
+            continue
+        new = nn.Parameter(distribute_tensor(param.data, mesh, [placement]), requires_grad=param.requires_grad)
+        if shared is not None:
+            shared[id(param)] = new
+        module.register_parameter(name, new)
+
+
+def _shared_params(model: nn.Module) -> list[list[str]]:
+    """FQNs of every parameter registered under more than one name (tied weights), one list per parameter."""
+    names: dict[int, list[str]] = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(fqn)
+    return [fqns for fqns in names.values() if len(fqns) > 1]
 
 
 def _input_binder(module: nn.Module, names: list[str], fqn: str) -> dict[str, int | None]:
@@ -209,6 +236,8 @@ def apply_sharding_configs(
         if missing:
             raise ValueError(f"sharding configs declared for {missing[:5]}, which are not modules of the model")
     done = []
+    tied = _shared_params(model)
+    shared: dict[int, nn.Parameter] = {}
     for fqn, module in model.named_modules():
         sc = declared_sharding(module) if declared is None else declared.get(fqn)
         if sc is None or not _mentions(sc, axis):
@@ -226,7 +255,7 @@ def apply_sharding_configs(
             )
         placements = {n: p for n, named in sc.params.items() if (p := _on_axis(named, axis)) is not None}
         if placements:
-            distribute_module_params(module, mesh, placements)
+            distribute_module_params(module, mesh, placements, shared=shared)
         dtensor_inputs = bool(placements) and not sc.local_forward
         names = sorted({n for n, v in (*sc.inputs.items(), *sc.desired_inputs.items()) if _on_axis(v, axis)})
         if names:
@@ -237,4 +266,11 @@ def apply_sharding_configs(
         if _on_axis(sc.outputs, axis) is not None or _on_axis(sc.desired_outputs, axis) is not None or dtensor_inputs:
             module.register_forward_hook(_make_post_hook(mesh, sc, axis, fqn))
         done.append(fqn)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for fqns in tied:
+        if len({id(params[f]) for f in fqns}) != 1:
+            raise ValueError(
+                f"tied parameters {fqns} got different placements on {axis}: declare the same placement for every "
+                "module that holds the shared parameter (or none for all of them)"
+            )
     return done

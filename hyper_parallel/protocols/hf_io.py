@@ -247,19 +247,17 @@ def build_from_hf(
     model_cls: type[M],
     path: str | os.PathLike,
     *,
+    config_from_hf: Callable[[dict[str, Any]], Any],
     load_weights: Callable[..., Any],
     dtype: torch.dtype,
     device: str | torch.device,
     config_overrides: dict[str, Any] | None = None,
-    config_from_hf: Callable[[dict[str, Any]], Any] | None = None,
     **load_kwargs: Any,
 ) -> M:
-    """Build ``model_cls`` from an HF folder's ``config.json`` (``config_from_hf``, default
-    ``model_cls.Config.from_hf``; ``config_overrides`` replace top-level fields), initialise it on
-    ``device`` without a CPU copy, then ``load_weights(model, path, **load_kwargs)`` (every key checked)
-    and cast to ``dtype``."""
-    read_config = config_from_hf or model_cls.Config.from_hf  # type: ignore[attr-defined]
-    config = read_config(read_hf_config(path))
+    """Build ``model_cls`` from an HF folder's ``config.json`` read by the family's ``config_from_hf``
+    (``config_overrides`` replace top-level fields), initialise it on ``device`` without a CPU copy, then
+    ``load_weights(model, path, **load_kwargs)`` (every key checked) and cast to ``dtype``."""
+    config = config_from_hf(read_hf_config(path))
     if config_overrides:
         config = dataclasses.replace(config, **config_overrides)
     with torch.device("meta"):

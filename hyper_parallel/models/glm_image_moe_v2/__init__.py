@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from hyper_parallel.models.glm_image_moe_v2.model import GlmImageMoeModel, glm_image_moe_config
+from hyper_parallel.models.glm_image_moe_v2.hf_config import config_from_hf, config_to_hf
+from hyper_parallel.models.glm_image_moe_v2.model import GlmImageMoeModel, glm_image_moe_config, nextn_reader
 from hyper_parallel.models.glm_image_moe_v2.state_dict import (
     CheckpointKeyError,
     GlmImageMoeStateDictAdapter,
@@ -26,6 +27,8 @@ __all__ = [
     "CheckpointKeyError",
     "GlmImageMoeModel",
     "GlmImageMoeStateDictAdapter",
+    "config_from_hf",
+    "config_to_hf",
     "from_pretrained",
     "glm_image_moe_config",
     "save_pretrained",
@@ -37,13 +40,15 @@ def from_pretrained(
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    mtp: bool = False,
     **config_overrides: Any,
 ) -> GlmImageMoeModel:
     """Build a GlmImageMoeModel from an HF folder (GlmImageMoe or plain Glm4MoeLite; sharded or single).
 
     ``config_overrides`` replace top-level fields of the model config (e.g. ``codebook_size`` for a
     text-only checkpoint). Parts a Glm4MoeLite checkpoint lacks (codebook, projection, image head
-    rows) keep their seeded initialisation.
+    rows) keep their seeded initialisation. ``mtp=True``: the MTP block on with the checkpoint's
+    ``num_nextn_predict_layers`` (the nextn layer ``model.layers.{num_hidden_layers}.*`` loads into it).
     """
     return build_from_hf(
         GlmImageMoeModel,
@@ -52,6 +57,7 @@ def from_pretrained(
         dtype=dtype,
         device=device,
         config_overrides=config_overrides,
+        config_from_hf=nextn_reader(config_from_hf) if mtp else config_from_hf,
     )
 
 

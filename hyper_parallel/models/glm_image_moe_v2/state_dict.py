@@ -11,8 +11,15 @@ Ours (in memory)                          HF GlmImageMoe (on disk)
   lm_head.weight [V + C, H]                 lm_head.weight [V + C, H]
 
 A plain Glm4MoeLite checkpoint (``model.*``, ``lm_head.weight [V, H]``) maps to the backbone and head
-rows ``[0, V)``; the image parts are then left to the caller's initialisation. Keys of layers at or
-beyond ``num_hidden_layers`` (the MTP layer) are ignored; other ``model.vqmodel.*`` keys pass through.
+rows ``[0, V)``; the image parts are then left to the caller's initialisation. Other ``model.vqmodel.*``
+keys pass through.
+
+The GLM-4.7-Flash nextn (MTP) layer, index ``L = num_hidden_layers`` (either prefix), with ``config.mtp``:
+  mtp.pre_fc_norm_embedding / pre_fc_norm_hidden    layers.L.enorm / hnorm
+  mtp.fc / mtp.norm                                  layers.L.eh_proj / layers.L.shared_head.norm
+  mtp.layers.0.<...>                                 layers.L.<...> (experts per expert)
+  (embed_tokens, lm_head: shared)                    layers.L.embed_tokens / shared_head.head: copies on export
+Without ``config.mtp`` (or beyond L) those keys are ignored on load.
 """
 
 from __future__ import annotations
@@ -20,15 +27,17 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hyper_parallel.models.glm_image_moe_v2.hf_config import config_to_hf
 from hyper_parallel.protocols import hf_io
 from hyper_parallel.protocols.hf_io import CheckedStateDictAdapter, CheckpointKeyError, read_hf_config
-from hyper_parallel.protocols.state_dict_adapter import write_safetensors
+from hyper_parallel.protocols.state_dict_adapter import parse_size
 
 __all__ = [
     "CheckpointKeyError",
@@ -43,6 +52,18 @@ _LM = "model.language_model."
 _CODEBOOK_HF = "model.vqmodel.quantize.embedding.weight"
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
+_NEXTN_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# GLM-4.7-Flash nextn layer (vLLM glm4_moe_lite_mtp.py / deepseek_mtp.py names) <-> our MTP block.
+_NEXTN_TO_OURS = {
+    "enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+    "hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
+    "eh_proj.weight": "mtp.fc.weight",
+    "shared_head.norm.weight": "mtp.norm.weight",
+}
+_OURS_TO_NEXTN = {v: k for k, v in _NEXTN_TO_OURS.items()}
+# DeepSeek-V3-style copies of the shared embedding and head inside the nextn layer: the block uses the
+# trunk's (one tensor each), so these are read as nothing and written as copies of the trained ones.
+_NEXTN_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
 
 
 @dataclass
@@ -63,6 +84,23 @@ class GlmImageMoeStateDictAdapter(CheckedStateDictAdapter):
         super().__init__(model_config, **runtime_objects)
         self.num_layers = len(model_config.layers)
         self.lang_vocab_size = model_config.vocab_size
+        self.has_mtp = getattr(model_config, "mtp", None) is not None
+        """The nextn layer (index ``num_layers`` on disk) maps to the ``mtp`` block; else it is ignored."""
+
+    def _mtp_to_hf(self, key: str, t: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
+        """An ``mtp.*`` key -> the nextn layer's HF key(s) under ``prefix`` (experts per expert)."""
+        base = f"{prefix}layers.{self.num_layers}."
+        if key in _OURS_TO_NEXTN:
+            return {base + _OURS_TO_NEXTN[key]: t}
+        rest = key[len("mtp.layers.0.") :]
+        return hf_io.split_experts(rest, t, base) or {base + rest: t}
+
+    def _shared_copies(self, key: str, t: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
+        """With MTP: the nextn layer's copies of the shared embedding / head (vLLM's drafter loads its own)."""
+        if not self.has_mtp or key not in ("embed_tokens.weight", "lm_head.weight"):
+            return {}
+        name = "embed_tokens.weight" if key == "embed_tokens.weight" else "shared_head.head.weight"
+        return {f"{prefix}layers.{self.num_layers}.{name}": t}
 
     # ---- ours -> HF -------------------------------------------------------------------------
     def to_hf(
@@ -77,8 +115,12 @@ class GlmImageMoeStateDictAdapter(CheckedStateDictAdapter):
                 out["model." + key] = t
             elif key == "lm_head.weight":
                 out[key] = t
+                out.update(self._shared_copies(key, t, _LM))
+            elif key.startswith("mtp."):
+                out.update(self._mtp_to_hf(key, t, _LM))
             else:
                 out.update(self._backbone_to_hf(key, t, _LM))
+                out.update(self._shared_copies(key, t, _LM))
         out.update(passthrough or {})
         return out
 
@@ -90,8 +132,12 @@ class GlmImageMoeStateDictAdapter(CheckedStateDictAdapter):
                 continue
             if key == "lm_head.weight":
                 out[key] = t[: self.lang_vocab_size]
+                out.update(self._shared_copies(key, t[: self.lang_vocab_size], "model."))
+            elif key.startswith("mtp."):
+                out.update(self._mtp_to_hf(key, t, "model."))
             else:
                 out.update(self._backbone_to_hf(key, t, "model."))
+                out.update(self._shared_copies(key, t, "model."))
         return out
 
     @staticmethod
@@ -109,6 +155,7 @@ class GlmImageMoeStateDictAdapter(CheckedStateDictAdapter):
         result = HFLoadResult(state_dict={}, source_format="glm_image_moe" if is_image else "glm4_moe_lite")
         unexpected: list[str] = []
         experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+        mtp_experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
         for key, t in hf_state_dict.items():
             if key == _CODEBOOK_HF:
                 result.state_dict["vq_codebook.weight"] = t
@@ -125,7 +172,15 @@ class GlmImageMoeStateDictAdapter(CheckedStateDictAdapter):
                 ours = key[len(prefix) :]
                 m = _LAYER_RE.match(ours)
                 if m and int(m.group(1)) >= self.num_layers:
-                    result.ignored.append(key)  # the MTP layer(s) beyond num_hidden_layers
+                    rest = ours[m.end() :]
+                    if not self.has_mtp or int(m.group(1)) > self.num_layers or rest in _NEXTN_SHARED:
+                        result.ignored.append(key)  # MTP off, or the nextn layer's copies of shared tensors
+                    elif rest in _NEXTN_TO_OURS:
+                        result.state_dict[_NEXTN_TO_OURS[rest]] = t
+                    elif em := _NEXTN_EXPERT_RE.match(rest):
+                        mtp_experts.setdefault((0, em.group(2)), {})[int(em.group(1))] = t
+                    else:
+                        result.state_dict["mtp.layers.0." + rest] = t
                     continue
                 em = _EXPERT_RE.match(ours)
                 if em:
@@ -136,6 +191,9 @@ class GlmImageMoeStateDictAdapter(CheckedStateDictAdapter):
             else:
                 unexpected.append(key)
         missing_experts = hf_io.fuse_experts(experts, result.state_dict, prefix)
+        fused_mtp: dict[str, torch.Tensor] = {}
+        missing_experts += hf_io.fuse_experts(mtp_experts, fused_mtp, f"{prefix}[nextn]")
+        result.state_dict.update({"mtp." + k: v for k, v in fused_mtp.items()})
         if expected is not None or unexpected or missing_experts:
             self._check(result, expected or {}, unexpected, missing_experts, check_keys=expected is not None)
         return result
@@ -155,6 +213,8 @@ class GlmImageMoeStateDictAdapter(CheckedStateDictAdapter):
             optional = set() if result.source_format == "glm_image_moe" else {
                 "vq_codebook.weight", "vq_to_llm_proj.weight", "vq_to_llm_proj.bias", "lm_head.weight"
             }
+            if not any(k.startswith("mtp.") for k in result.state_dict):  # no nextn layer: the block keeps its init
+                optional |= {k for k in expected if k.startswith("mtp.")}
             problems += hf_io.check_keys(result.state_dict, expected, optional=optional)
             if result.partial_head is None and result.source_format == "glm4_moe_lite":
                 problems.append("missing: lm_head.weight")
@@ -171,17 +231,20 @@ class GlmImageMoeStateDictAdapter(CheckedStateDictAdapter):
 # ---- HF folders: from_pretrained / save_pretrained ----------------------------------------------
 
 
-def load_hf_weights(model: Any, path: str | os.PathLike) -> HFLoadResult:
-    """Load an HF folder's safetensors (either format, sharded or single) into ``model`` in place.
+def load_hf_weights(
+    model: Any, path: str | os.PathLike, *, init_missing: Callable[[], None] | None = None
+) -> HFLoadResult:
+    """Load an HF folder's safetensors (either format, sharded or single) into ``model`` (whole, or
+    parallelized: each rank reads only its shards) in place.
 
     Every key and shape is checked first; one error lists all problems. A plain Glm4MoeLite
-    checkpoint fills the backbone and head rows ``[0, V)`` and leaves the image parts as they are.
+    checkpoint fills the backbone and head rows ``[0, V)`` and leaves the image parts as they are
+    (``init_missing`` initialises them first).
     """
     adapter = GlmImageMoeStateDictAdapter(model.config)
-    result = hf_io.load_checked(model, path, adapter.from_hf_checked)
-    if result.partial_head is not None:
-        with torch.no_grad():
-            model.state_dict()["lm_head.weight"][: adapter.lang_vocab_size].copy_(result.partial_head)
+    result = hf_io.load_checked(model, path, adapter.from_hf_checked, init_missing=init_missing)
+    if result.partial_head is not None:  # head rows [0, V): the block at offset 0 of our head
+        hf_io.load_tensor_(hf_io.model_state_dict(model)["lm_head.weight"], result.partial_head, offset=(0, 0))
     return result
 
 
@@ -197,14 +260,27 @@ def save_hf_state_dict(
 ) -> list[str]:
     """Write ``state_dict`` (our keys, full tensors) + ``config.json`` as an HF folder."""
     adapter = GlmImageMoeStateDictAdapter(config)
-    sd = {k: hf_io.full_tensor(v) for k, v in state_dict.items()}
-    hf = adapter.to_hf_text_only(sd) if text_only else adapter.to_hf(sd, passthrough=passthrough)
-    if dtype is not None:
-        # the router stays fp32 (HF keeps it fp32 too: _keep_in_fp32_modules_strict)
-        hf = {k: v if k.endswith(("mlp.gate.weight", "e_score_correction_bias")) else v.to(dtype) for k, v in hf.items()}
+    kept = {} if text_only else dict(passthrough or {})
+
+    def convert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # per tensor (hf_io.save_converted)
+        ours = {k: v for k, v in sd.items() if k not in kept}
+        hf = (
+            adapter.to_hf_text_only(ours)
+            if text_only
+            else adapter.to_hf(ours, passthrough={k: v for k, v in sd.items() if k in kept})
+        )
+        if dtype is not None:
+            # the router stays fp32 (HF keeps it fp32 too: _keep_in_fp32_modules_strict)
+            hf = {k: v if k.endswith(("mlp.gate.weight", "e_score_correction_bias")) else v.to(dtype) for k, v in hf.items()}
+        return hf
+
     path = Path(path)
-    files = write_safetensors(hf, path, max_shard_size=max_shard_size)
-    hf_config = config.to_hf(text_only=text_only)
-    hf_config["torch_dtype"] = str(dtype or next(iter(hf.values())).dtype).removeprefix("torch.")
-    (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
+    sources = {**state_dict, **kept}
+    files = hf_io.save_converted(sources, convert, path, max_shard_size=parse_size(max_shard_size))
+    hf_config = config_to_hf(config, text_only=text_only)
+    if getattr(config, "mtp", None) is not None:  # the nextn layer count vLLM's Glm4MoeLiteMTP reads
+        (hf_config if text_only else hf_config["text_config"])["num_nextn_predict_layers"] = len(config.mtp.layers)
+    hf_config["torch_dtype"] = str(dtype or next(iter(state_dict.values())).dtype).removeprefix("torch.")
+    if hf_io.writes_once(sources):
+        (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
     return files + ["config.json"]

@@ -13,9 +13,11 @@ from typing import Any
 
 import torch
 
+from hyper_parallel.models.qwen3_5_moe_v2.hf_config import config_from_hf, config_to_hf
 from hyper_parallel.models.qwen3_5_moe_v2.model import Qwen3_5MoeModel, Qwen3_5MoeTransformerBlock, qwen3_5_moe_config
 from hyper_parallel.models.qwen3_5_moe_v2.state_dict import CheckpointKeyError, Qwen3_5MoeStateDictAdapter, load_hf_weights
 from hyper_parallel.models.qwen3_5_v2 import save_pretrained as _save_pretrained
+from hyper_parallel.models.qwen3_5_v2.model import mtp_reader
 from hyper_parallel.protocols.hf_io import build_from_hf
 from hyper_parallel.protocols.model_spec import ModelSpec, lazy_function, register_spec
 
@@ -24,6 +26,8 @@ __all__ = [
     "Qwen3_5MoeModel",
     "Qwen3_5MoeStateDictAdapter",
     "Qwen3_5MoeTransformerBlock",
+    "config_from_hf",
+    "config_to_hf",
     "from_pretrained",
     "qwen3_5_moe_config",
     "save_pretrained",
@@ -35,12 +39,18 @@ def from_pretrained(
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    mtp: bool = False,
     **config_overrides: Any,
 ) -> Qwen3_5MoeModel:
-    """A ``Qwen3_5MoeModel`` from an HF ``Qwen3_5MoeForCausalLM`` or ``Qwen3_5MoeForConditionalGeneration`` folder."""
+    """A ``Qwen3_5MoeModel`` from an HF ``Qwen3_5MoeForCausalLM`` or ``Qwen3_5MoeForConditionalGeneration`` folder.
+
+    ``mtp=True``: the MTP block on, with the checkpoint's ``mtp_num_hidden_layers``; its ``mtp.*`` weights load
+    into it (without it they are kept as passthrough and written back unchanged).
+    """
     return build_from_hf(
-        Qwen3_5MoeModel, path, load_weights=load_hf_weights, dtype=dtype, device=device, config_overrides=config_overrides
-    )
+        Qwen3_5MoeModel, path, load_weights=load_hf_weights, dtype=dtype, device=device,
+        config_overrides=config_overrides, config_from_hf=mtp_reader(config_from_hf) if mtp else config_from_hf,
+    )  # fmt: skip
 
 
 def save_pretrained(

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from hyper_parallel.models.qwen3_5_v2.hf_config import config_to_hf
+from hyper_parallel.models.qwen3_5_v2.hf_config import qwen3_5_config_from_hf as config_from_hf
 from hyper_parallel.models.qwen3_5_v2.model import Qwen3_5Model, Qwen3_5TransformerBlock, qwen3_5_config
 from hyper_parallel.models.qwen3_5_v2.state_dict import (
     CheckpointKeyError,
@@ -20,6 +22,7 @@ from hyper_parallel.models.qwen3_5_v2.state_dict import (
     load_hf_weights,
     save_hf_state_dict,
 )
+from hyper_parallel.models.qwen3_5_v2.model import mtp_reader
 from hyper_parallel.protocols.hf_io import build_from_hf, save_with_model
 from hyper_parallel.protocols.model_spec import ModelSpec, lazy_function, register_spec
 
@@ -28,6 +31,8 @@ __all__ = [
     "Qwen3_5Model",
     "Qwen3_5StateDictAdapter",
     "Qwen3_5TransformerBlock",
+    "config_from_hf",
+    "config_to_hf",
     "from_pretrained",
     "qwen3_5_config",
     "save_pretrained",
@@ -39,12 +44,18 @@ def from_pretrained(
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    mtp: bool = False,
     **config_overrides: Any,
 ) -> Qwen3_5Model:
-    """A ``Qwen3_5Model`` from an HF ``Qwen3_5ForCausalLM`` or ``Qwen3_5ForConditionalGeneration`` folder."""
+    """A ``Qwen3_5Model`` from an HF ``Qwen3_5ForCausalLM`` or ``Qwen3_5ForConditionalGeneration`` folder.
+
+    ``mtp=True``: the MTP block on, with the checkpoint's ``mtp_num_hidden_layers``; its ``mtp.*`` weights load
+    into it (without it they are kept as passthrough and written back unchanged).
+    """
     return build_from_hf(
-        Qwen3_5Model, path, load_weights=load_hf_weights, dtype=dtype, device=device, config_overrides=config_overrides
-    )
+        Qwen3_5Model, path, load_weights=load_hf_weights, dtype=dtype, device=device,
+        config_overrides=config_overrides, config_from_hf=mtp_reader(config_from_hf) if mtp else config_from_hf,
+    )  # fmt: skip
 
 
 def save_pretrained(

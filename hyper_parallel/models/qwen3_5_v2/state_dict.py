@@ -14,7 +14,12 @@ HF's ``[Q | K | V]`` becomes our grouped-by-key-head order (``GatedDeltaNet`` do
 parallel is one ``Shard(0)``.
 
 A ``Qwen3_5(Moe)ForConditionalGeneration`` folder has ``P = model.language_model.``; its ``model.visual.*``
-and ``mtp.*`` keys are not modelled here: they are kept (``hf_passthrough``) and written back unchanged.
+keys are not modelled here: they are kept (``hf_passthrough``) and written back unchanged.
+
+MTP (vLLM ``qwen3_5_mtp.py`` reads these; HF ignores ``^mtp.*``): with ``config.mtp`` set, ``mtp.*`` maps to
+the ``mtp`` block one to one (``mtp.fc``, ``mtp.pre_fc_norm_{embedding,hidden}``, ``mtp.norm``,
+``mtp.layers.0.*`` with HF's ``shared_expert`` and per-expert names), in either layout; a folder without
+them leaves the block at its initialisation. Without ``config.mtp`` they are kept as passthrough.
 """
 
 from __future__ import annotations
@@ -22,15 +27,18 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from hyper_parallel.models.common.gated_deltanet import GatedDeltaNet
+from hyper_parallel.models.common.tied_head import HEAD_KEY, tied_head_from_hf, untied_head_hint
+from hyper_parallel.models.qwen3_5_v2.hf_config import config_to_hf
 from hyper_parallel.protocols import hf_io
 from hyper_parallel.protocols.hf_io import CheckedStateDictAdapter, CheckpointKeyError, HFLoadResult, read_hf_config
-from hyper_parallel.protocols.state_dict_adapter import write_safetensors
+from hyper_parallel.protocols.state_dict_adapter import parse_size
 
 __all__ = [
     "CheckpointKeyError",
@@ -44,6 +52,10 @@ __all__ = [
 _TEXT, _VL = "model.", "model.language_model."
 _PASSTHROUGH = ("model.visual.", "mtp.")
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_MTP = "mtp."
+# HF builds a shared expert (and its gate) even at shared_expert_intermediate_size=0; it adds exactly 0 and ours
+# has none: such a layer's shared-expert keys are kept aside and written back.
+_EMPTY_SHARED_RE = re.compile(r"^layers\.(\d+)\.mlp\.shared_expert(_gate)?\.")
 _MIXER_RE = re.compile(r"^layers\.(\d+)\.(self_attn|linear_attn)\.")
 _QKV_ROWS_RE = re.compile(r"^layers\.(\d+)\.self_attn\.(in_proj_qkv|conv1d)\.weight$")
 
@@ -53,6 +65,13 @@ class Qwen3_5StateDictAdapter(CheckedStateDictAdapter):
 
     def __init__(self, model_config: Any, **runtime_objects: Any) -> None:
         super().__init__(model_config, **runtime_objects)
+        self.has_mtp = getattr(model_config, "mtp", None) is not None
+        self.tied = bool(getattr(model_config, "tie_word_embeddings", False))
+        self.no_shared_expert = {
+            i
+            for i, layer in enumerate(model_config.layers)
+            if hasattr(layer.mlp, "shared_experts") and layer.mlp.shared_experts is None
+        }
         self.linear_layers = {
             i: layer.self_attn
             for i, layer in enumerate(model_config.layers)
@@ -67,7 +86,10 @@ class Qwen3_5StateDictAdapter(CheckedStateDictAdapter):
             return t
         if t.shape[0] != 2 * gdn.num_k_heads * gdn.head_k_dim + gdn.num_v_heads * gdn.head_v_dim:
             return t  # a wrong shape: left for the key/shape check to report with the file's key
-        return GatedDeltaNet.qkv_rows_to_hf(gdn, t) if to_hf else GatedDeltaNet.qkv_rows_from_hf(gdn, t)
+        if to_hf:
+            return GatedDeltaNet.qkv_rows_to_hf(gdn, t)
+        # a row permutation: on the lazy tensors of a sharded load each rank still reads only its rows
+        return hf_io.permute_rows(t, lambda rows: GatedDeltaNet.qkv_rows_from_hf(gdn, rows))
 
     # ---- ours -> HF -------------------------------------------------------------------------
     def to_hf(
@@ -82,8 +104,13 @@ class Qwen3_5StateDictAdapter(CheckedStateDictAdapter):
         prefix = _TEXT if text_only else _VL
         out: dict[str, torch.Tensor] = {}
         for key, t in state_dict.items():
-            if key == "lm_head.weight":
-                out[key] = t
+            if key == HEAD_KEY:
+                if not self.tied:  # HF writes no head for a tied model: it is the embedding
+                    out[key] = t
+                continue
+            if key.startswith(_MTP):  # top-level in both layouts
+                hf_key = key.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+                out.update(hf_io.split_experts(hf_key, t, "") or {hf_key: t})
                 continue
             t = self._qkv_rows(key, t, to_hf=True)
             hf_key = self._mixer_to_hf(key).replace(".mlp.shared_experts.", ".mlp.shared_expert.")
@@ -91,6 +118,11 @@ class Qwen3_5StateDictAdapter(CheckedStateDictAdapter):
         if not text_only:
             out.update(passthrough or {})
         return out
+
+    def _empty_shared(self, hf_key: str) -> bool:
+        """An HF shared-expert key (prefix removed) of a layer built without one (``shared_expert_intermediate_size=0``)."""
+        m = _EMPTY_SHARED_RE.match(hf_key)
+        return m is not None and int(m.group(1)) in self.no_shared_expert
 
     def _mixer_to_hf(self, key: str) -> str:
         m = _MIXER_RE.match(key)
@@ -109,11 +141,21 @@ class Qwen3_5StateDictAdapter(CheckedStateDictAdapter):
         result = HFLoadResult(state_dict={}, source_format="conditional_generation" if vl else "causal_lm")
         problems: list[str] = []
         experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+        mtp_experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
         for key, t in hf_state_dict.items():
-            if key.startswith(_PASSTHROUGH):
+            if self.has_mtp and key.startswith(_MTP):
+                ours = key.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
+                em = _EXPERT_RE.match(ours[len(_MTP) :])
+                if em:
+                    mtp_experts.setdefault((int(em.group(1)), em.group(3)), {})[int(em.group(2))] = t
+                else:
+                    result.state_dict[ours] = t
+            elif key.startswith(_PASSTHROUGH):
                 result.passthrough[key] = t
             elif key == "lm_head.weight":
                 result.state_dict[key] = t
+            elif key.startswith(prefix) and self._empty_shared(key[len(prefix) :]):
+                result.passthrough[key] = t
             elif key.startswith(prefix):
                 ours = key[len(prefix) :].replace(".mlp.shared_expert.", ".mlp.shared_experts.")
                 m = _MIXER_RE.match(ours)
@@ -131,8 +173,17 @@ class Qwen3_5StateDictAdapter(CheckedStateDictAdapter):
             else:
                 problems.append(f"unexpected: {key}")
         problems += hf_io.fuse_experts(experts, result.state_dict, prefix)
+        fused_mtp: dict[str, torch.Tensor] = {}
+        problems += hf_io.fuse_experts(mtp_experts, fused_mtp, _MTP)
+        result.state_dict.update({_MTP + k: v for k, v in fused_mtp.items()})
+        if self.tied:
+            problems += tied_head_from_hf(result.state_dict, embed_hf_key=prefix + "embed_tokens.weight")
         if expected is not None:
-            problems += hf_io.check_keys(result.state_dict, expected)
+            # a folder without MTP weights leaves the block at its (seeded) initialisation
+            optional = [k for k in expected if k.startswith(_MTP)] if not any(k.startswith(_MTP) for k in hf_state_dict) else []
+            problems += hf_io.check_keys(result.state_dict, expected, optional=optional)
+        where = "config.json (top level)" if vl else "config.json"
+        problems = untied_head_hint(problems, where=where)
         hf_io.raise_problems(problems, f"checkpoint ({result.source_format} format)")
         return result
 
@@ -140,10 +191,15 @@ class Qwen3_5StateDictAdapter(CheckedStateDictAdapter):
 # ---- HF folders ------------------------------------------------------------------------------
 
 
-def load_hf_weights(model: Any, path: str | os.PathLike) -> HFLoadResult:
-    """Load an HF folder (CausalLM or ConditionalGeneration; per-expert or fused experts) into a whole model in
-    place. Every key and shape is checked first; ``model.visual.*``/``mtp.*`` are kept in ``model.hf_passthrough``."""
-    return hf_io.load_checked(model, path, Qwen3_5StateDictAdapter(model.config).from_hf_checked)
+def load_hf_weights(
+    model: Any, path: str | os.PathLike, *, init_missing: Callable[[], None] | None = None
+) -> HFLoadResult:
+    """Load an HF folder (CausalLM or ConditionalGeneration; per-expert or fused experts) into a whole or a
+    parallelized model in place (each rank reads only its shards; ``hf_io.load_checked``). Every key and shape
+    is checked first; ``model.visual.*``/``mtp.*`` are kept in ``model.hf_passthrough``."""
+    return hf_io.load_checked(
+        model, path, Qwen3_5StateDictAdapter(model.config).from_hf_checked, init_missing=init_missing
+    )
 
 
 def save_hf_state_dict(
@@ -163,15 +219,26 @@ def save_hf_state_dict(
     if text_only is None:
         text_only = "top" not in config.hf_extra
     adapter = Qwen3_5StateDictAdapter(config)
-    hf = adapter.to_hf({k: hf_io.full_tensor(v) for k, v in state_dict.items()}, text_only=True)
-    if dtype is not None:
-        hf = {k: v.to(dtype) if v.is_floating_point() else v for k, v in hf.items()}
+    kept: dict[str, Any] = {}
     if not text_only:  # the ConditionalGeneration layout, with the kept keys exactly as they were read
-        hf = {_VL + k[len(_TEXT) :] if k.startswith(_TEXT) else k: v for k, v in hf.items()} | dict(passthrough or {})
+        kept = {k: v for k, v in (passthrough or {}).items() if not (adapter.has_mtp and k.startswith(_MTP))}
+
+    def convert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # per tensor (hf_io.save_converted)
+        hf = adapter.to_hf({k: v for k, v in sd.items() if k not in kept}, text_only=True)
+        if dtype is not None:
+            hf = {k: v.to(dtype) if v.is_floating_point() else v for k, v in hf.items()}
+        if not text_only:
+            hf = {_VL + k[len(_TEXT) :] if k.startswith(_TEXT) else k: v for k, v in hf.items()}
+        return hf | {k: v for k, v in sd.items() if k in kept}
+
     path = Path(path)
     dtype_name = str(dtype or next(iter(state_dict.values())).dtype).removeprefix("torch.")
-    files = write_safetensors(hf, path, max_shard_size=max_shard_size)
-    hf_config = config.to_hf(text_only=text_only)
+    sources = {**state_dict, **kept}
+    files = hf_io.save_converted(sources, convert, path, max_shard_size=parse_size(max_shard_size))
+    hf_config = config_to_hf(config, text_only=text_only)
+    if getattr(config, "mtp", None) is not None:  # vLLM's Qwen3_5MultiTokenPredictor reads this count
+        (hf_config if text_only else hf_config["text_config"])["mtp_num_hidden_layers"] = len(config.mtp.layers)
     (hf_config if text_only else hf_config["text_config"])["dtype"] = dtype_name
-    (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
+    if hf_io.writes_once(sources):
+        (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
     return files + ["config.json"]

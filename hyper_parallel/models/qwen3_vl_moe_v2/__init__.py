@@ -93,6 +93,7 @@ def _data_facts(config: Qwen3VlMoeModel.Config) -> dict[str, Any]:
         "image_token_id": config.image_token_id,
         "vision_start_token_id": config.vision_start_token_id,
         "vision_end_token_id": config.vision_end_token_id,
+        "video_token_id": config.video_token_id,  # -1: no video path (the source then refuses videos)
         "patch_size": v.patch_size,
         "temporal_patch_size": v.temporal_patch_size,
         "merge_size": v.spatial_merge_size,

@@ -21,15 +21,18 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from hyper_parallel.models.common.hf_rope import LEGACY_ROPE_KEYS, read_hf_rope, rope_parameters_to_hf
+from hyper_parallel.models.common.tied_head import HEAD_KEY, tied_head_from_hf, untied_head_hint
 from hyper_parallel.models.qwen3_5_v2.state_dict import Qwen3_5StateDictAdapter
 from hyper_parallel.protocols import hf_io
 from hyper_parallel.protocols.hf_io import CheckpointKeyError, read_hf_config
-from hyper_parallel.protocols.state_dict_adapter import BaseStateDictAdapter, write_safetensors
+from hyper_parallel.protocols.state_dict_adapter import BaseStateDictAdapter, parse_size
 
 if TYPE_CHECKING:
     from hyper_parallel.models.qwen3_vl_moe_v2.model import Qwen3VlMoeModel
@@ -85,8 +88,9 @@ class Qwen3VlMoeStateDictAdapter(BaseStateDictAdapter):
             out.update(self._qwen3_5.to_hf(text, text_only=False))
             return out
         for key, t in text.items():
-            if key == "lm_head.weight":
-                out[key] = t
+            if key == HEAD_KEY:
+                if not self.model_config.tie_word_embeddings:  # HF writes no head for a tied model
+                    out[key] = t
                 continue
             if key.endswith(_FUSED) and self.experts_layout == "hub":
                 t = t.transpose(1, 2).contiguous()
@@ -105,9 +109,11 @@ class Qwen3VlMoeStateDictAdapter(BaseStateDictAdapter):
         Raises one ``CheckpointKeyError`` listing every missing, unexpected and mis-shaped key.
         """
         problems: list[str] = []
-        passthrough = {k: v for k, v in hf_state_dict.items() if k.startswith(_PASSTHROUGH)}
+        # mtp.* load into the MTP block when the model has one (the Qwen3.5 adapter maps them), else pass through
+        kept = () if getattr(self.model_config, "mtp", None) is not None else _PASSTHROUGH
+        passthrough = {k: v for k, v in hf_state_dict.items() if kept and k.startswith(kept)}
         vis = {k[len(_VIS) :]: v for k, v in hf_state_dict.items() if k.startswith(_VIS)}
-        rest = {k: v for k, v in hf_state_dict.items() if not k.startswith((_VIS, *_PASSTHROUGH))}
+        rest = {k: v for k, v in hf_state_dict.items() if not k.startswith((_VIS, *kept))}
         try:
             ours = {"visual." + k: v for k, v in self._tower.hf_to_ours_(vis).items()}
         except ValueError as e:
@@ -115,7 +121,9 @@ class Qwen3VlMoeStateDictAdapter(BaseStateDictAdapter):
             ours = {}
         if self._qwen3_5 is not None:
             try:
-                ours.update(self._qwen3_5.from_hf_checked(rest).state_dict)
+                text = self._qwen3_5.from_hf_checked(rest)
+                ours.update(text.state_dict)
+                passthrough.update(text.passthrough)  # e.g. an empty shared expert's keys
             except CheckpointKeyError as e:
                 problems.append(str(e))
         else:
@@ -129,30 +137,46 @@ class Qwen3VlMoeStateDictAdapter(BaseStateDictAdapter):
                     ours[name] = t
                 else:
                     problems.append(f"unexpected: {key}")
+            if self.model_config.tie_word_embeddings:
+                problems += tied_head_from_hf(ours, embed_hf_key=_LM + "embed_tokens.weight")
         if expected is not None:
             layout_hint = f" (experts read as the {self.experts_layout!r} layout: pass experts_layout=)"
+            no_mtp = not any(k.startswith("mtp.") for k in hf_state_dict)  # the MTP block then keeps its init
             problems += hf_io.check_keys(
-                ours, expected, shape_hint=lambda key: layout_hint if key.endswith(_FUSED) else ""
+                ours, expected, shape_hint=lambda key: layout_hint if key.endswith(_FUSED) else "",
+                optional=[k for k in expected if k.startswith("mtp.")] if no_mtp else (),
             )
+        problems = untied_head_hint(problems, where="config.json (top level)")
         hf_io.raise_problems(problems, f"checkpoint ({self.family} VL)")
         return ours, passthrough
 
 
 # ---- HF config.json <-> Config -----------------------------------------------------------------
+#
+# Read as transformers 5.x reads a ConditionalGeneration config: ``tie_word_embeddings`` from the TOP level
+# (a text_config's own value is ignored by the ConditionalGeneration class), RoPE in any accepted form
+# (``models.common.hf_rope``: 4.57's ``text_config.rope_scaling`` + ``text_config.rope_theta``, or
+# ``rope_parameters``), absent keys with the class defaults, ``null`` where transformers' ``__post_init__``
+# fills it (``num_key_value_heads`` -> heads, ``head_dim`` -> hidden / heads, ``mlp_only_layers`` -> []).
+# The Qwen3.5-MoE text part is the Qwen3.5 family's reader (``qwen3_5_v2.hf_config``).
 
 _VL_TEXT_KEYS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
-    "mlp_only_layers", "rms_norm_eps", "attention_bias", "initializer_range", "pad_token_id",
-    "max_position_embeddings",
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "num_experts",
+    "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "rms_norm_eps", "attention_bias",
+    "initializer_range", "pad_token_id", "max_position_embeddings",
 )  # fmt: skip
-# HF Qwen3VLMoeTextConfig defaults for keys a config.json may omit.
+# transformers' Qwen3VLMoeTextConfig defaults (5.24) for keys a config.json may omit.
 _VL_TEXT_DEFAULTS: dict[str, Any] = dict(
     vocab_size=151936, hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
     intermediate_size=5632, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
-    decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6, attention_bias=False, initializer_range=0.02,
+    decoder_sparse_step=1, rms_norm_eps=1e-6, attention_bias=False, initializer_range=0.02, pad_token_id=None,
     max_position_embeddings=128000,
 )  # fmt: skip
+_VL_CONSUMED = set(_VL_TEXT_KEYS) | set(LEGACY_ROPE_KEYS) | {
+    "num_key_value_heads", "head_dim", "mlp_only_layers", "model_type", "hidden_act", "attention_dropout",
+    "router_aux_loss_coef", "output_router_logits", "tie_word_embeddings", "num_local_experts",
+}  # fmt: skip
+_DEEPSTACK_DEFAULT = {"qwen3_vl_moe": (8, 16, 24), "qwen3_5_moe": ()}  # vision_config classes' defaults
 _IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 _ID_DEFAULTS = {
     "qwen3_vl_moe": dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
@@ -162,9 +186,11 @@ _ID_DEFAULTS = {
 }  # fmt: skip
 
 
-def _vision_kwargs(vision: dict[str, Any]) -> tuple[dict[str, Any], int]:
+def _vision_kwargs(vision: dict[str, Any], family: str) -> tuple[dict[str, Any], int]:
     from hyper_parallel.models.qwen3_vl_moe_v2.vision import vision_tower_config_from_hf
 
+    if "deepstack_visual_indexes" not in vision:  # absent: the family's vision class default
+        vision = {**vision, "deepstack_visual_indexes": list(_DEEPSTACK_DEFAULT[family])}
     tower, out = vision_tower_config_from_hf(vision)
     kwargs = dict(
         depth=len(tower.blocks), dim=tower.dim, n_heads=tower.blocks[0].attn.n_heads,
@@ -177,9 +203,51 @@ def _vision_kwargs(vision: dict[str, Any]) -> tuple[dict[str, Any], int]:
     return kwargs, out
 
 
+def _vl_text_kwargs(text: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Builder kwargs and ``hf_extra`` entries of a Qwen3-VL-MoE ``text_config``."""
+    where = "text_config"
+    act = text.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{where}.hidden_act={act!r}: only silu is implemented")
+    dropout = text.get("attention_dropout", 0.0) or 0.0
+    if dropout:
+        raise ValueError(f"{where}.attention_dropout={dropout}: attention dropout is not modelled; set it to 0.0")
+    if "num_experts" not in text and "num_local_experts" in text:  # HF's attribute name in to_dict()
+        text = {**text, "num_experts": text["num_local_experts"]}
+    kwargs: dict[str, Any] = {}
+    for key in _VL_TEXT_KEYS:
+        value = text.get(key, _VL_TEXT_DEFAULTS[key])
+        if value is None and _VL_TEXT_DEFAULTS[key] is not None:
+            default = _VL_TEXT_DEFAULTS[key]
+            raise ValueError(f"{where}.{key} is null: give a value (transformers' default is {default!r})")
+        kwargs[key] = value
+    heads = kwargs["num_attention_heads"]
+    kv = text.get("num_key_value_heads", _VL_TEXT_DEFAULTS["num_key_value_heads"])
+    kwargs["num_key_value_heads"] = heads if kv is None else kv  # HF __post_init__: null -> MHA
+    kwargs["head_dim"] = text.get("head_dim") or kwargs["hidden_size"] // heads
+    kwargs["mlp_only_layers"] = tuple(text.get("mlp_only_layers") or ())
+    kwargs["router_aux_loss_coef"] = (
+        float(text.get("router_aux_loss_coef", 0.001)) if text.get("output_router_logits") else 0.0
+    )
+    rope = read_hf_rope(text, where=where, default_theta=500000.0, default_partial_rotary_factor=None)
+    kwargs.update(
+        rope_theta=rope.theta, partial_rotary_factor=rope.partial_rotary_factor,
+        mrope_section=rope.mrope_section if rope.mrope_section is not None else (24, 20, 20),
+    )  # fmt: skip
+    extra = {
+        "text": {k: v for k, v in text.items() if k not in _VL_CONSUMED and not k.startswith("_")},
+        "mrope_interleaved": rope.mrope_interleaved,
+        "aux": {k: text[k] for k in ("router_aux_loss_coef", "output_router_logits") if k in text},
+    }
+    return kwargs, extra
+
+
 def config_from_hf(hf: dict[str, Any]) -> Qwen3VlMoeModel.Config:
     """Our config from an HF ``config.json`` dict (``model_type`` ``qwen3_vl_moe`` or ``qwen3_5_moe``)."""
-    from hyper_parallel.models.qwen3_vl_moe_v2.model import qwen3_vl_moe_config
+    from hyper_parallel.models.qwen3_5_moe_v2.model import Qwen3_5MoeModel, Qwen3_5MoeTransformerBlock
+    from hyper_parallel.models.qwen3_5_v2.hf_config import text_config_from_hf
+    from hyper_parallel.models.qwen3_vl_moe_v2.model import Qwen3VlMoeModel, qwen3_vl_moe_config
+    from hyper_parallel.models.qwen3_vl_moe_v2.vision import vision_tower_config
 
     family = hf.get("model_type")
     if family not in _ID_DEFAULTS or "vision_config" not in hf:
@@ -187,47 +255,27 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen3VlMoeModel.Config:
             f"config.json model_type={family!r}: expected a Qwen3VLMoeForConditionalGeneration ('qwen3_vl_moe') or "
             "Qwen3_5MoeForConditionalGeneration ('qwen3_5_moe') folder with text_config and vision_config"
         )
-    vision, out_dim = _vision_kwargs(hf["vision_config"])
+    vision, out_dim = _vision_kwargs(dict(hf["vision_config"]), family)
     ids = {k: int(hf.get(k, _ID_DEFAULTS[family][k])) for k in _IDS}
-    top = {k: v for k, v in hf.items() if k not in ("text_config", *_IDS)}
+    tie = bool(hf.get("tie_word_embeddings", False))  # transformers reads the top level for these classes
+    top = {k: v for k, v in hf.items() if k not in ("text_config", "tie_word_embeddings", *_IDS)}
+    text = dict(hf.get("text_config") or {})
     if family == "qwen3_5_moe":
-        from hyper_parallel.models.qwen3_5_moe_v2.model import Qwen3_5MoeModel
-
-        from hyper_parallel.models.qwen3_vl_moe_v2.model import Qwen3VlMoeModel
-        from hyper_parallel.models.qwen3_vl_moe_v2.vision import vision_tower_config
-
         if vision["deepstack_visual_indexes"]:
             raise ValueError("a qwen3_5_moe vision_config has no deepstack_visual_indexes (Qwen3.5 has no deepstack)")
-        t = Qwen3_5MoeModel.Config.from_hf(hf)
+        t = text_config_from_hf(
+            text, moe=True, where="text_config", tie_word_embeddings=tie, config_cls=Qwen3_5MoeModel.Config,
+            block_cls=Qwen3_5MoeTransformerBlock,
+        )  # fmt: skip
         cfg = Qwen3VlMoeModel.Config(
             vocab_size=t.vocab_size, dim=t.dim, layers=t.layers, embed_tokens=t.embed_tokens, norm=t.norm,
             lm_head=t.lm_head, max_position_embeddings=t.max_position_embeddings, visual=vision_tower_config(**vision),
-            **ids, hf_extra={**t.hf_extra, "top": top},
+            tie_word_embeddings=tie, **ids, hf_extra={**t.hf_extra, "top": top},
         )  # fmt: skip
     else:
-        text = dict(hf.get("text_config") or {})
-        if hf.get("tie_word_embeddings"):
-            raise NotImplementedError("tie_word_embeddings=True checkpoints are not supported (lm_head is untied)")
-        if text.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"text_config.hidden_act={text['hidden_act']!r}: only silu is implemented")
-        if "num_experts" not in text and "num_local_experts" in text:  # HF's attribute name in to_dict()
-            text["num_experts"] = text["num_local_experts"]
-        kwargs = {**_VL_TEXT_DEFAULTS, **{k: text[k] for k in _VL_TEXT_KEYS if k in text}}
-        rope = dict(text.get("rope_parameters") or {})
-        if rope.get("rope_type", "default") != "default":
-            raise NotImplementedError(f"rope_parameters.rope_type={rope['rope_type']!r}: only 'default' loads")
-        aux = float(text.get("router_aux_loss_coef", 0.001)) if text.get("output_router_logits") else 0.0
-        skip = set(_VL_TEXT_KEYS) | {"rope_parameters", "model_type", "hidden_act", "router_aux_loss_coef",
-                                    "output_router_logits", "tie_word_embeddings", "num_local_experts"}  # fmt: skip
-        extra = {
-            "text": {k: v for k, v in text.items() if k not in skip and not k.startswith("_")},
-            "rope": {k: v for k, v in rope.items() if k not in ("rope_theta", "mrope_section")},
-            "aux": {k: text[k] for k in ("router_aux_loss_coef", "output_router_logits") if k in text},
-            "top": top,
-        }
+        kwargs, extra = _vl_text_kwargs(text)
         cfg = qwen3_vl_moe_config(
-            **kwargs, router_aux_loss_coef=aux, rope_theta=float(rope.get("rope_theta", 5e5)),
-            mrope_section=tuple(rope.get("mrope_section", (24, 20, 20))), vision=vision, **ids, hf_extra=extra,
+            **kwargs, vision=vision, **ids, tie_word_embeddings=tie, hf_extra={**extra, "top": top}
         )  # fmt: skip
     if out_dim != cfg.dim:
         raise ValueError(f"vision_config.out_hidden_size={out_dim} must equal the text hidden_size={cfg.dim}")
@@ -235,26 +283,29 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen3VlMoeModel.Config:
 
 
 def config_to_hf(cfg: Qwen3VlMoeModel.Config) -> dict[str, Any]:
-    """The HF ``config.json`` dict of ``cfg`` (the inverse of :func:`config_from_hf`)."""
+    """The HF ``config.json`` dict of ``cfg`` (the inverse of :func:`config_from_hf`): one ``rope_parameters``,
+    ``tie_word_embeddings`` on both levels."""
     from hyper_parallel.models.common.feed_forward import FeedForward
     from hyper_parallel.models.common.moe import MoE
+    from hyper_parallel.models.qwen3_5_moe_v2.model import Qwen3_5MoeModel
+    from hyper_parallel.models.qwen3_5_v2.hf_config import text_config_to_hf
     from hyper_parallel.models.qwen3_vl_moe_v2.vision import vision_tower_config_to_hf
 
     extra = cfg.hf_extra
-    top = dict(extra.get("top", {}))
+    top = {k: v for k, v in extra.get("top", {}).items() if k not in LEGACY_ROPE_KEYS}
     vision = {**top.get("vision_config", {}), **vision_tower_config_to_hf(cfg.visual, cfg.dim)}
     ids = {k: getattr(cfg, k) for k in _IDS}
+    tie = cfg.tie_word_embeddings
     if cfg.text_family == "qwen3_5_moe":
-        from hyper_parallel.models.qwen3_5_moe_v2.model import Qwen3_5MoeModel
-
         t = Qwen3_5MoeModel.Config(
             vocab_size=cfg.vocab_size, dim=cfg.dim, layers=cfg.layers, embed_tokens=cfg.embed_tokens, norm=cfg.norm,
-            lm_head=cfg.lm_head, max_position_embeddings=cfg.max_position_embeddings,
-            hf_extra={k: v for k, v in extra.items() if k != "top"} | {"top": top},
+            lm_head=cfg.lm_head, max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=tie,
+            hf_extra={k: v for k, v in extra.items() if k != "top"},
         )  # fmt: skip
-        out = t.to_hf(text_only=False)
-        return {**out, **ids, "vision_config": {**vision, "model_type": "qwen3_5_moe_vision"},
-                "tie_word_embeddings": False}  # fmt: skip
+        text = {**text_config_to_hf(t), "model_type": "qwen3_5_moe_text"}
+        top.setdefault("architectures", ["Qwen3_5MoeForConditionalGeneration"])
+        return {**top, **ids, "model_type": "qwen3_5_moe", "text_config": text, "tie_word_embeddings": tie,
+                "vision_config": {**vision, "model_type": "qwen3_5_moe_vision"}}  # fmt: skip
     attn = cfg.layers[0].self_attn
     moes = [layer.mlp for layer in cfg.layers if isinstance(layer.mlp, MoE.Config)]
     dense = [i for i, layer in enumerate(cfg.layers) if isinstance(layer.mlp, FeedForward.Config)]
@@ -264,13 +315,16 @@ def config_to_hf(cfg: Qwen3VlMoeModel.Config) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "num_hidden_layers": len(cfg.layers),
         "num_attention_heads": attn.n_heads, "num_key_value_heads": attn.n_kv_heads, "head_dim": attn.head_dim,
         "attention_bias": attn.q_proj.bias, "rms_norm_eps": cfg.norm.eps, "hidden_act": "silu",
+        "attention_dropout": 0.0,
         "intermediate_size": ffn.hidden_dim if ffn is not None else extra.get("text", {}).get("intermediate_size", 5632),
         "mlp_only_layers": dense if moes else [], "decoder_sparse_step": 1,
         "initializer_range": cfg.lm_head.param_init.std if hasattr(cfg.lm_head.param_init, "std") else 0.02,
         "pad_token_id": cfg.embed_tokens.padding_idx, "max_position_embeddings": cfg.max_position_embeddings,
-        "rope_parameters": {**extra.get("rope", {"rope_type": "default", "mrope_interleaved": True}),
-                            "rope_theta": attn.rope.theta, "mrope_section": list(attn.rope.mrope_section or ())},
-        "model_type": "qwen3_vl_moe_text", "tie_word_embeddings": False,
+        "rope_parameters": rope_parameters_to_hf(
+            theta=attn.rope.theta, partial_rotary_factor=attn.rope.partial_rotary_factor,
+            mrope_section=attn.rope.mrope_section, mrope_interleaved=extra.get("mrope_interleaved", True),
+        ),
+        "model_type": "qwen3_vl_moe_text", "tie_word_embeddings": tie,
     }  # fmt: skip
     if moes:
         m = moes[0]
@@ -282,16 +336,21 @@ def config_to_hf(cfg: Qwen3VlMoeModel.Config) -> dict[str, Any]:
         text.update(num_experts=0, mlp_only_layers=list(range(len(cfg.layers))))
     top.setdefault("architectures", ["Qwen3VLMoeForConditionalGeneration"])
     return {**top, **ids, "model_type": "qwen3_vl_moe", "text_config": text,
-            "vision_config": {**vision, "model_type": "qwen3_vl_moe_vision"}, "tie_word_embeddings": False}  # fmt: skip
+            "vision_config": {**vision, "model_type": "qwen3_vl_moe_vision"}, "tie_word_embeddings": tie}  # fmt: skip
 
 
 # ---- HF folders ------------------------------------------------------------------------------
 
 
 def load_hf_weights(
-    model: Qwen3VlMoeModel, path: str | os.PathLike, *, experts_layout: ExpertsLayout | None = None
+    model: Qwen3VlMoeModel,
+    path: str | os.PathLike,
+    *,
+    experts_layout: ExpertsLayout | None = None,
+    init_missing: Callable[[], None] | None = None,
 ) -> None:
-    """Load an HF folder into a whole model in place (every key and shape checked first).
+    """Load an HF folder into a whole or a parallelized model in place (every key and shape checked first;
+    each rank reads only its shards, ``hf_io.load_checked``).
 
     ``experts_layout`` (Qwen3-VL-MoE fused experts) default: from ``config.json`` (:func:`experts_layout_of`).
     """
@@ -302,7 +361,7 @@ def load_hf_weights(
         ours, passthrough = adapter.from_hf_checked(hf, expected=expected)
         return hf_io.HFLoadResult(ours, model.config.text_family, passthrough)
 
-    hf_io.load_checked(model, path, convert)
+    hf_io.load_checked(model, path, convert, init_missing=init_missing)
     model.hf_experts_layout = layout
 
 
@@ -321,11 +380,17 @@ def save_hf_state_dict(
     The written ``transformers_version`` says which fused-expert layout the folder holds (4.x: hub).
     """
     adapter = Qwen3VlMoeStateDictAdapter(config, experts_layout=experts_layout)
-    hf = adapter.to_hf({k: hf_io.full_tensor(v) for k, v in state_dict.items()}) | dict(passthrough or {})
-    if dtype is not None:
-        hf = {k: v.to(dtype) if v.is_floating_point() else v for k, v in hf.items()}
+    kept = dict(passthrough or {})
+
+    def convert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # per tensor (hf_io.save_converted)
+        hf = adapter.to_hf({k: v for k, v in sd.items() if k not in kept}) | {k: v for k, v in sd.items() if k in kept}
+        if dtype is not None:
+            hf = {k: v.to(dtype) if v.is_floating_point() else v for k, v in hf.items()}
+        return hf
+
     path = Path(path)
-    files = write_safetensors(hf, path, max_shard_size=max_shard_size)
+    sources = {**state_dict, **kept}
+    files = hf_io.save_converted(sources, convert, path, max_shard_size=parse_size(max_shard_size))
     hf_config = config_to_hf(config)
     dtype_name = str(dtype or next(iter(state_dict.values())).dtype).removeprefix("torch.")
     hf_config["dtype"] = dtype_name
@@ -336,5 +401,6 @@ def save_hf_state_dict(
             hf_config["transformers_version"] = "4.57.0" if experts_layout == "hub" else "5.0.0"
         elif version is None:
             hf_config["transformers_version"] = "5.0.0"
-    (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
+    if hf_io.writes_once(sources):
+        (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
     return files + ["config.json"]

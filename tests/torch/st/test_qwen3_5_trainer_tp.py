@@ -24,9 +24,10 @@ def _write_hf_folder(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
+    from hyper_parallel.models.qwen3_5_moe_v2 import config_to_hf
     from hyper_parallel.models.qwen3_5_moe_v2.config_registry import qwen3_5_moe_debug
 
-    hf_config = Qwen3_5MoeTextConfig(**qwen3_5_moe_debug().model.to_hf())
+    hf_config = Qwen3_5MoeTextConfig(**config_to_hf(qwen3_5_moe_debug().model))
     torch.manual_seed(11)
     model = Qwen3_5MoeForCausalLM(hf_config)
     with torch.no_grad():  # no symmetric rows: a row-order mistake must change the numbers

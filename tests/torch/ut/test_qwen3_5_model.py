@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
-from hyper_parallel.models.qwen3_5_v2 import Qwen3_5Model, from_pretrained, save_pretrained
+from hyper_parallel.models.qwen3_5_v2 import Qwen3_5Model, config_from_hf, from_pretrained, save_pretrained
 from hyper_parallel.protocols import read_safetensors, write_safetensors
 from tests.torch.ut.hf_utils import hf_row_order, randomize_
 from tests.torch.ut.test_qwen3_5_moe_model import _batch, _ce, _hf_like_decay_, _hf_name, _rope
@@ -127,7 +127,7 @@ def test_roundtrip_and_conditional_generation_folder(tmp_path):
     again = read_safetensors(tmp_path / "vl_back")
     assert again.keys() == sd.keys() and all(torch.equal(again[k], sd[k]) for k in sd)
     with pytest.raises(ValueError, match="qwen3_5_moe package"):
-        Qwen3_5Model.Config.from_hf({"model_type": "qwen3_5_moe_text"})
+        config_from_hf({"model_type": "qwen3_5_moe_text"})
 
 
 def test_4b_parameter_count_on_meta(capsys):
@@ -139,8 +139,9 @@ def test_4b_parameter_count_on_meta(capsys):
     conv = 2 * Hk * Dk + Hv * Dv
     gdn = conv * H + Hv * Dv * H + 2 * Hv * H + conv * K + 2 * Hv + Dv + H * Hv * Dv
     attn = 2 * Hq * d * H + 2 * Hkv * d * H + H * Hq * d + 2 * d
-    want = 2 * V_ * H + H + L * (2 * H + 3 * I * H) + n_lin * gdn + (L - n_lin) * attn
+    want = V_ * H + H + L * (2 * H + 3 * I * H) + n_lin * gdn + (L - n_lin) * attn  # tied: one V x H table
     total = sum(p.numel() for p in model.parameters())
+    assert model.lm_head.weight is model.embed_tokens.weight
     assert total == want and model.active_params() == want
     with capsys.disabled():
-        print(f"\nqwen3_5_4b: total {total / 1e9:.2f}B (untied head), active {total / 1e9:.2f}B")
+        print(f"\nqwen3_5_4b: total {total / 1e9:.2f}B (tied head), active {total / 1e9:.2f}B")
