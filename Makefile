@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build
 	$(VPY) -m pip install --quiet torch==2.13.0
 	$(VPY) -m pip install --quiet -e '.[test]'
+	# test-only: torchvision's Python code for the HF video-processor oracle, run in a child process
+	# (--no-deps, outside the venv's import path: its C extension cannot load beside this torch)
+	$(VPY) -m pip install --quiet --no-deps --target $(VENV)/hf_oracle torchvision==0.28.0
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 setup: $(STAMP)

@@ -602,7 +602,8 @@ def make_encoder(
     videos = None
     if video_id >= 0:
         videos = VideoRecords(
-            (video or VideoProcessor.Config()).build(**sizes), functools.partial(tok.encode_batch, add_special_tokens=False),
+            (video or VideoProcessor.Config()).build(**sizes),
+            functools.partial(tok.encode_batch, add_special_tokens=False),
             video_token_id=video_id, vision_start_token_id=ids["vision_start_token_id"],
             vision_end_token_id=ids["vision_end_token_id"], token_budget=token_budget,
         )  # fmt: skip

@@ -62,7 +62,7 @@ def text_family_of(config: Decoder.Config) -> TextFamily:
 class Qwen3VlMoeModel(Decoder):
     """A vision-language MoE model; ``model(input_ids, pixel_values=, image_grid_thw=)`` returns logits."""
 
-    input_keys: ClassVar[tuple[str, ...]] = ("pixel_values", "image_grid_thw")
+    input_keys: ClassVar[tuple[str, ...]] = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
     @dataclass(kw_only=True, slots=True)
     class Config(Decoder.Config):
@@ -75,7 +75,7 @@ class Qwen3VlMoeModel(Decoder):
         vision_end_token_id: int
         """Id of the token after every image (HF ``vision_end_token_id``)."""
         video_token_id: int = -1
-        """HF ``video_token_id`` (kept for the HF config; videos are not modelled yet)."""
+        """Placeholder id of one merged video token (HF ``video_token_id``); -1: the model takes no video."""
         freeze_vision: bool = False
         """Keep the vision tower frozen: no gradient, never updated, ignored by FSDP (whole on every rank)."""
         freeze_text: bool = False
@@ -122,13 +122,22 @@ class Qwen3VlMoeModel(Decoder):
     # ---- vision ----------------------------------------------------------------------------------
 
     def _vision(
-        self, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None, device: torch.device
+        self, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None, device: torch.device,
+        pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
-        """``(merged [M, D], deepstack features, real)``; ``real`` False = the dummy grid of a text-only batch."""
-        has_images = pixel_values is not None and image_grid_thw is not None and image_grid_thw.numel() > 0
+        """``(merged [M, D], deepstack features, real)``; ``real`` False = the dummy grid of a text-only batch.
+
+        Images and videos go through the tower in ONE call (images first): frames attend only within
+        themselves, so this equals HF's two calls, and every rank runs the same FSDP units once per step
+        whatever its micro-batch holds."""
         dtype = self.visual.patch_embed.proj.weight.dtype
-        if has_images:  # the tower runs in its own dtype (full precision when frozen outside FSDP)
-            return (*self.visual(pixel_values.to(dtype), image_grid_thw), True)
+        pixels, grids = [], []
+        for pv, grid in ((pixel_values, image_grid_thw), (pixel_values_videos, video_grid_thw)):
+            if pv is not None and grid is not None and grid.numel() > 0:
+                pixels.append(pv.to(dtype))  # the tower runs in its own dtype (full precision when frozen)
+                grids.append(grid.reshape(-1, 3))
+        if pixels:
+            return (*self.visual(torch.cat(pixels), torch.cat(grids)), True)
         v = self.visual.config
         m = v.spatial_merge_size
         dummy = torch.zeros(m * m, self.visual.patch_dim, device=device, dtype=dtype)
@@ -140,69 +149,117 @@ class Qwen3VlMoeModel(Decoder):
         *,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
-        """``(h [B, T, D], flat image-token indices or None, deepstack features)``; image tokens carry the merger output."""
+        """``(h [B, T, D], flat visual-token indices or None, deepstack features)``.
+
+        Image tokens carry the merger output of the images, video tokens that of the videos (each in
+        sequence order, HF's ``masked_scatter``); the deepstack features follow the same indices."""
         h_BTD = self.embed_tokens(input_ids)
         B, T, D = h_BTD.shape
-        merged, deep, real = self._vision(pixel_values, image_grid_thw, h_BTD.device)
+        merged, deep, real = self._vision(pixel_values, image_grid_thw, h_BTD.device, pixel_values_videos,
+                                          video_grid_thw)  # fmt: skip
         if not real:  # zero contribution, but the tower and its FSDP units still ran on every rank
             zero = merged.sum() + sum((d.sum() for d in deep), merged.new_zeros(()))
             return h_BTD + 0.0 * zero.to(h_BTD.dtype), None, []
-        is_image = input_ids == self.config.image_token_id
-        idx = torch.nonzero(is_image.reshape(-1)).squeeze(-1)
-        if self.cp_group is not None:  # this rank holds a chunk of every row: keep the features of its tokens
-            rows = self._cp_feature_rows(is_image.sum(dim=1), merged.shape[0])
+        m2 = self.config.visual.spatial_merge_size ** 2
+        n_image = 0 if image_grid_thw is None or pixel_values is None else int(image_grid_thw.prod(-1).sum()) // m2
+        parts = []  # (token mask [B, T], its slice of the merged rows, name, grids)
+        parts.append((input_ids == self.config.image_token_id, slice(0, n_image), "image", image_grid_thw))
+        if self.config.video_token_id >= 0:
+            parts.append((input_ids == self.config.video_token_id, slice(n_image, merged.shape[0]), "video",
+                          video_grid_thw))  # fmt: skip
+        elif merged.shape[0] > n_image:
+            raise ValueError("got pixel_values_videos but the model has no video_token_id (Config.video_token_id)")
+        idx_parts, rows_parts = [], []
+        for mask, span, what, grid in parts:
+            idx_parts.append(torch.nonzero(mask.reshape(-1)).squeeze(-1))
+            n = span.stop - span.start
+            if self.cp_group is not None:  # this rank holds a chunk of every row: keep the features of its tokens
+                rows_parts.append(span.start + self._cp_feature_rows(mask.sum(dim=1), n, what))
+            else:
+                if idx_parts[-1].numel() != n:
+                    token = self.config.image_token_id if what == "image" else self.config.video_token_id
+                    raise ValueError(
+                        f"input_ids hold {idx_parts[-1].numel()} {what} tokens (id {token}) but {what}_grid_thw "
+                        f"{None if grid is None else grid.tolist()} gives {n} merged visual tokens: each {what} "
+                        "needs t*h*w/merge_size**2 placeholders"
+                    )
+                rows_parts.append(torch.arange(span.start, span.stop, device=merged.device))
+        idx = torch.cat(idx_parts)
+        rows = torch.cat(rows_parts)
+        if self.cp_group is not None or rows.numel() != merged.shape[0]:
             merged, deep = merged[rows], [d[rows] for d in deep]
-        elif idx.numel() != merged.shape[0]:
-            raise ValueError(
-                f"input_ids hold {idx.numel()} image tokens (id {self.config.image_token_id}) but image_grid_thw "
-                f"{image_grid_thw.tolist()} gives {merged.shape[0]} merged visual tokens: each image needs "
-                "t*h*w/merge_size**2 placeholders"
-            )
         h = h_BTD.reshape(B * T, D).index_copy(0, idx, merged.to(h_BTD.dtype)).view(B, T, D)
         return h, idx, [d.to(h_BTD.dtype) for d in deep]
 
-    def _cp_feature_rows(self, local_counts_B: torch.Tensor, total: int) -> torch.Tensor:
-        """Indices into the batch's merged features of this CP rank's image tokens (row-major, then chunk order)."""
+    def _cp_feature_rows(self, local_counts_B: torch.Tensor, total: int, what: str = "image") -> torch.Tensor:
+        """Indices into the batch's ``what`` features of this CP rank's ``what`` tokens (row-major, then chunk order).
+
+        Every rank of the CP group calls this for images and for videos (one all-gather each), whether
+        or not its chunk holds any: the group's ranks share one micro-batch, so the calls match."""
         import torch.distributed as dist
 
         group = self.cp_group
         counts = [torch.empty_like(local_counts_B) for _ in range(dist.get_world_size(group))]
         dist.all_gather(counts, local_counts_B.contiguous(), group=group)
-        counts_RB = torch.stack(counts)  # [cp, B] image tokens of every chunk of every row
+        counts_RB = torch.stack(counts)  # [cp, B] tokens of every chunk of every row
         if int(counts_RB.sum()) != total:
+            token = self.config.image_token_id if what == "image" else self.config.video_token_id
             raise ValueError(
-                f"the batch's rows hold {int(counts_RB.sum())} image tokens (id {self.config.image_token_id}) but "
-                f"image_grid_thw gives {total} merged visual tokens: each image needs t*h*w/merge_size**2 placeholders"
+                f"the batch's rows hold {int(counts_RB.sum())} {what} tokens (id {token}) but "
+                f"{what}_grid_thw gives {total} merged visual tokens: each {what} needs t*h*w/merge_size**2 "
+                "placeholders"
             )
         rank = dist.get_rank(group)
         row_start = torch.cumsum(counts_RB.sum(0), 0) - counts_RB.sum(0)  # [B] first feature of each row
         start_B = row_start + counts_RB[:rank].sum(0)
-        return torch.cat([s + torch.arange(int(n), device=s.device) for s, n in zip(start_B, counts_RB[rank])])
+        pieces = [s + torch.arange(int(n), device=s.device) for s, n in zip(start_B, counts_RB[rank])]
+        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=local_counts_B.device)
 
     # ---- positions -------------------------------------------------------------------------------
 
     def mrope_positions(
-        self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, cu_seqlens: torch.Tensor | None
+        self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+        video_grid_thw: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """int64 ``[3, B, T]`` M-RoPE positions, per document (rows, or ``cu_seqlens`` documents of the flat stream)."""
         B, T = input_ids.shape
         ids = input_ids.reshape(-1).cpu().numpy()
-        grids = np.zeros((0, 3), np.int64) if image_grid_thw is None else image_grid_thw.cpu().numpy().reshape(-1, 3)
+        c = self.config
+
+        def as_grids(g: torch.Tensor | None) -> np.ndarray:
+            return np.zeros((0, 3), np.int64) if g is None else g.cpu().numpy().reshape(-1, 3)
+
+        grids, videos = as_grids(image_grid_thw), as_grids(video_grid_thw)
+        video_id = c.video_token_id if c.video_token_id >= 0 else None
         bounds = cu_seqlens.tolist() if cu_seqlens is not None else list(range(0, B * T + 1, T))
         out = np.empty((3, B * T), np.int64)
-        is_image = ids == self.config.image_token_id
-        used = 0
+        is_image = ids == c.image_token_id
+        is_video = ids == c.video_token_id if video_id is not None else np.zeros_like(is_image)
+        used = used_frames = used_videos = 0
         for lo, hi in zip(bounds[:-1], bounds[1:]):
-            doc = is_image[lo:hi]
+            doc, vdoc = is_image[lo:hi], is_video[lo:hi]
             runs = int(doc[0]) + int(np.count_nonzero(doc[1:] & ~doc[:-1])) if hi > lo else 0
+            frames = int(vdoc[0]) + int(np.count_nonzero(vdoc[1:] & ~vdoc[:-1])) if hi > lo else 0
+            n_videos = acc = 0  # the videos whose frame groups (one token run each) this document holds
+            while acc < frames and used_videos + n_videos < len(videos):
+                acc += int(videos[used_videos + n_videos, 0])
+                n_videos += 1
             out[:, lo:hi] = mrope_position_ids(
-                ids[lo:hi], grids[used : used + runs], image_token_id=self.config.image_token_id,
-                merge_size=self.config.visual.spatial_merge_size,
+                ids[lo:hi], grids[used : used + runs], image_token_id=c.image_token_id,
+                merge_size=c.visual.spatial_merge_size, video_grid_thw=videos[used_videos : used_videos + n_videos],
+                video_token_id=video_id,
             )  # fmt: skip
             used += runs
-        if used != len(grids):
-            raise ValueError(f"input_ids hold {used} image-token run(s) but image_grid_thw has {len(grids)} image(s)")
+            used_frames += frames
+            used_videos += n_videos
+        if used != len(grids) or used_videos != len(videos):
+            raise ValueError(
+                f"input_ids hold {used} image-token run(s) and {used_frames} video frame group(s), but image_grid_thw "
+                f"has {len(grids)} image(s) and video_grid_thw {len(videos)} video(s)"
+            )
         return torch.from_numpy(out).view(3, B, T).to(input_ids.device)
 
     # ---- forward ---------------------------------------------------------------------------------
@@ -213,21 +270,29 @@ class Qwen3VlMoeModel(Decoder):
         *,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
         cu_seqlens_host: Sequence[int] | None = None,
+        mtp_input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | ModelOutput:
         """``[B, T]`` ids (+ ``pixel_values [N, P]``, ``image_grid_thw [n, 3]``) -> logits ``[B, T, vocab]``.
 
         ``position_ids``: ``[3, B, T]`` M-RoPE rows (or ``[B, T]``); None computes them from the grids.
-        Returns ``ModelOutput(logits, aux_loss)`` when an MoE layer produced an auxiliary loss.
+        Returns ``ModelOutput(logits, aux_loss)`` when an MoE layer produced an auxiliary loss, and
+        ``ModelOutput(logits, aux_loss, mtp_logits)`` with an MTP block (Qwen3.5-MoE VL) and ``mtp_input_ids``.
         """
         if position_ids is None:
-            position_ids = self.mrope_positions(input_ids, image_grid_thw, cu_seqlens)
-        h, idx, deep = self.embed(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw)
+            position_ids = self.mrope_positions(input_ids, image_grid_thw, cu_seqlens, video_grid_thw)
+        h, idx, deep = self.embed(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+                                  pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)
         B, T, D = h.shape
         meta = AttentionMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_host=cu_seqlens_host)
+        mtp_embeds = None
+        if self.mtp_active(mtp_input_ids):  # before the layers: h is still the trunk's input embedding
+            mtp_embeds = self._embed_next_tokens_with_visuals(mtp_input_ids, h, idx)
         auxes = []
         for i, layer in enumerate(self.layers):
             h = layer(h, position_ids=position_ids, meta=meta)
@@ -235,8 +300,33 @@ class Qwen3VlMoeModel(Decoder):
             if i < len(deep):  # deepstack: the tower's intermediate features join after the first layers
                 h = h.reshape(B * T, D).index_add(0, idx, deep[i]).view(B, T, D)
         aux_loss = combine_aux_losses(auxes)
+        if mtp_embeds is not None:
+            return self.head_with_mtp(h, aux_loss, mtp_embeds, position_ids=position_ids, meta=meta)
         logits = self.head(h)
         return logits if aux_loss is None else ModelOutput(logits, aux_loss)
+
+    def _embed_next_tokens_with_visuals(
+        self, mtp_input_ids: torch.Tensor, h_BTD: torch.Tensor, idx: torch.Tensor | None
+    ) -> torch.Tensor:
+        """MTP input: the embedding of every position's next token; where that token is an image/video token,
+        the merged visual feature the trunk put there (vLLM's Qwen3.5 drafter merges its ``inputs_embeds`` with
+        the image features like the target). ``h_BTD``: the trunk's input embeddings, ``idx``: their visual
+        positions (None: no visual token)."""
+        e_BTD = self.embed_next_tokens(mtp_input_ids)
+        if idx is None or idx.numel() == 0:
+            return e_BTD
+        if self.cp_group is not None:
+            raise NotImplementedError(
+                "MTP with images under context parallel is not implemented (the next token of a chunk's last "
+                "position lives on the next rank): set --parallelism.context_parallel_degree 1 or turn MTP off"
+            )
+        B, T, D = e_BTD.shape
+        is_visual = torch.zeros(B * T, dtype=torch.bool, device=idx.device)
+        is_visual[idx] = True
+        # mtp_input_ids >= 0: position q has a next token, q + 1 in the same row and document
+        q = torch.nonzero((mtp_input_ids.reshape(-1) >= 0) & torch.roll(is_visual, -1)).squeeze(-1)
+        flat = e_BTD.reshape(B * T, D)
+        return flat.index_copy(0, q, h_BTD.reshape(B * T, D)[q + 1].to(flat.dtype)).view(B, T, D)
 
 
 # ---- builders --------------------------------------------------------------------------------------
@@ -262,6 +352,7 @@ def qwen3_vl_moe_config(
     mlp_only_layers: Sequence[int] = (),
     router_aux_loss_coef: float = 0.0,
     rope_theta: float = 5e6,
+    partial_rotary_factor: float = 1.0,
     mrope_section: Sequence[int] = (24, 20, 20),
     rms_norm_eps: float = 1e-6,
     attention_bias: bool = False,
@@ -277,6 +368,7 @@ def qwen3_vl_moe_config(
     video_token_id: int = -1,
     freeze_vision: bool = False,
     freeze_text: bool = False,
+    tie_word_embeddings: bool = False,
     hf_extra: dict[str, Any] | None = None,
 ) -> Qwen3VlMoeModel.Config:
     """The Qwen3-VL-MoE config tree from HF-style text hyper-parameters and ``vision`` (``vision_tower_config`` kwargs).
@@ -310,7 +402,8 @@ def qwen3_vl_moe_config(
             q_proj=_linear(std, attention_bias), k_proj=_linear(std, attention_bias),
             v_proj=_linear(std, attention_bias), o_proj=_linear(std, attention_bias),
             q_norm=norm(), k_norm=norm(),
-            rope=RoPE.Config(theta=rope_theta, layout="half", mrope_section=tuple(mrope_section)),
+            rope=RoPE.Config(theta=rope_theta, layout="half", partial_rotary_factor=partial_rotary_factor,
+                             mrope_section=tuple(mrope_section)),
             inner_attention=VarlenAttention.Config(backend=attention_backend),
         )  # fmt: skip
 
@@ -333,6 +426,7 @@ def qwen3_vl_moe_config(
         freeze_vision=freeze_vision,
         freeze_text=freeze_text,
         max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
         hf_extra=dict(hf_extra or {}),
     )
 
@@ -346,6 +440,7 @@ def qwen3_5_moe_vl_config(
     video_token_id: int = -1,
     freeze_vision: bool = False,
     freeze_text: bool = False,
+    tie_word_embeddings: bool = False,
     hf_extra: dict[str, Any] | None = None,
     **text: Any,
 ) -> Qwen3VlMoeModel.Config:
@@ -370,5 +465,7 @@ def qwen3_5_moe_vl_config(
         video_token_id=video_token_id,
         freeze_vision=freeze_vision,
         freeze_text=freeze_text,
+        tie_word_embeddings=tie_word_embeddings,
         hf_extra=dict(hf_extra or {}),
+        mtp=t.mtp,  # mtp_num_hidden_layers in ``text``: the Qwen3.5-MoE MTP block (vLLM qwen3_5_mtp.py)
     )

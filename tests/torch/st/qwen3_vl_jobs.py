@@ -8,6 +8,11 @@ restarting per document. A data-parallel rank takes its slice of rows and exactl
 a rank whose rows hold no image runs the tower on the model's dummy grid (zero contribution). Its loss
 is ``sum of its token CE / global token count`` and gradients are summed over ranks, so every layout
 computes the single process's global token mean. The Switch aux loss is off (a per-rank statistic).
+
+``video=True`` jobs (issue 23) add video documents: per temporal patch a timestamp token, then
+``vision_start``, the frame group's video tokens, ``vision_end``, as HF's processor writes them; the
+model gets ``pixel_values_videos`` / ``video_grid_thw`` and M-RoPE places every frame group. Some
+ranks' rows then hold no video (or nothing visual) and still take part in every collective.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ P = 3 * 2 * PATCH * PATCH
 GLOBAL_ROWS, SEQ = 4, 24
 SEED, LR, MAX_NORM = 1234, 0.3, 0.5
 GRIDS = [(1, 2, 2), (1, 4, 2), (1, 2, 4)]  # 1, 2 and 2 merged tokens
+VID = 60  # video token id of the video jobs (text tokens are 0..59)
+VIDEO_GRIDS = [(2, 2, 2), (3, 2, 4), (1, 4, 2)]  # 2, 6 and 2 video tokens in 2, 3 and 1 frame groups
 
 
 def tiny_config(**overrides: Any) -> Qwen3VlMoeModel.Config:
@@ -66,21 +73,43 @@ def tiny_qwen3_5_config() -> Qwen3VlMoeModel.Config:
     )  # fmt: skip
 
 
-def build_model(freeze_vision: bool = False, family: str = "qwen3_vl_moe") -> Qwen3VlMoeModel:
+def build_model(freeze_vision: bool = False, family: str = "qwen3_vl_moe", video: bool = False) -> Qwen3VlMoeModel:
     """The same initial weights on every rank and in the reference (seeded CPU init); ``family`` is the text
-    decoder: ``qwen3_vl_moe`` or ``qwen3_5_moe``."""
+    decoder: ``qwen3_vl_moe`` or ``qwen3_5_moe``; ``video`` gives the model its video token."""
     torch.manual_seed(SEED)
     config = tiny_config() if family == "qwen3_vl_moe" else tiny_qwen3_5_config()
+    config = dataclasses.replace(config, video_token_id=VID if video else -1)
     model = dataclasses.replace(config, freeze_vision=freeze_vision).build()
     model.init_weights()
     return model
 
 
-def _row(rng: random.Random) -> dict[str, Any]:
-    """One packed row of SEQ tokens: documents of text, some with one image between vision markers."""
-    ids, labels, pos, starts, grids = [], [], [], [], []
+def _video_doc(rng: random.Random, room: int) -> tuple[list[int], tuple[int, int, int]] | None:
+    """A document with one video (HF's layout) that fits ``room`` tokens, or None."""
+    t, h, w = grid = rng.choice(VIDEO_GRIDS)
+    doc = [rng.randrange(VOCAB - 4), VS]
+    for i in range(t):  # "<t seconds>" (one text token here), then the frame group between vision markers
+        doc += [10 + i, VS] + [VID] * (h * w // MERGE**2) + [VE]
+    doc += [VE] + [rng.randrange(VOCAB - 4) for _ in range(2)]
+    return (doc, grid) if len(doc) <= room else None
+
+
+def _row(rng: random.Random, video: bool = False) -> dict[str, Any]:
+    """One packed row of SEQ tokens: documents of text, some with one image between vision markers (and with
+    ``video``, some with one video)."""
+    ids, labels, pos, starts, grids, vgrids = [], [], [], [], [], []
     while len(ids) < SEQ:
         room = SEQ - len(ids)
+        vdoc = _video_doc(rng, room) if video and rng.random() < 0.35 else None
+        if vdoc is not None:
+            doc, vgrid = vdoc
+            starts.append(len(ids))
+            ids += doc
+            labels += [t if t < VOCAB - 4 else -100 for t in doc[1:]] + [-100]
+            pos.append(mrope_position_ids(np.array(doc), np.zeros((0, 3)), image_token_id=IMG, merge_size=MERGE,
+                                          video_grid_thw=np.array([vgrid]), video_token_id=VID))  # fmt: skip
+            vgrids.append(vgrid)
+            continue
         grid = rng.choice(GRIDS) if room >= 7 and rng.random() < 0.6 else None
         n_img = grid[0] * grid[1] * grid[2] // MERGE**2 if grid else 0
         n_text = room if room < 4 + n_img else rng.randint(3, min(room - n_img - (2 if grid else 0), 8))
@@ -94,12 +123,13 @@ def _row(rng: random.Random) -> dict[str, Any]:
         g = np.array([grid] if grid and IMG in doc else np.zeros((0, 3)), dtype=np.int64).reshape(-1, 3)
         pos.append(mrope_position_ids(np.array(doc), g, image_token_id=IMG, merge_size=MERGE))
         grids += [tuple(x) for x in g.tolist()]
-    return {"ids": ids, "labels": labels, "pos": np.concatenate(pos, axis=1), "starts": starts, "grids": grids}
+    return {"ids": ids, "labels": labels, "pos": np.concatenate(pos, axis=1), "starts": starts, "grids": grids,
+            "video_grids": vgrids}  # fmt: skip
 
 
-def global_rows(step: int) -> list[dict[str, Any]]:
-    rng = random.Random(1000 + step)
-    return [_row(rng) for _ in range(GLOBAL_ROWS)]
+def global_rows(step: int, video: bool = False) -> list[dict[str, Any]]:
+    rng = random.Random(1000 + step + (500 if video else 0))
+    return [_row(rng, video) for _ in range(GLOBAL_ROWS)]
 
 
 def _pixels(step: int, row: int, k: int, grid: tuple[int, int, int]) -> torch.Tensor:
@@ -119,14 +149,24 @@ def micro_batch(step: int, rows: list[dict[str, Any]], first_row: int) -> dict[s
         "max_seqlen": int((cu[1:] - cu[:-1]).max()),
         "pixel_values": torch.cat(pixels) if pixels else torch.zeros(0, P),
         "image_grid_thw": torch.tensor(grids, dtype=torch.int64).reshape(-1, 3),
+        **_video_inputs(step, rows, first_row),
     }
 
 
-def global_token_count(step: int) -> int:
-    return sum(sum(1 for t in r["labels"] if t != -100) for r in global_rows(step))
+def _video_inputs(step: int, rows: list[dict[str, Any]], first_row: int) -> dict[str, torch.Tensor]:
+    vgrids = [g for r in rows for g in r.get("video_grids", [])]
+    videos = [_pixels(step + 77, first_row + b, k, g) for b, r in enumerate(rows) for k, g in enumerate(r["video_grids"])]
+    return {
+        "pixel_values_videos": torch.cat(videos) if videos else torch.zeros(0, P),
+        "video_grid_thw": torch.tensor(vgrids, dtype=torch.int64).reshape(-1, 3),
+    }
 
 
-def _train(model, steps: int, pd: ParallelDims | None) -> dict[str, Any]:
+def global_token_count(step: int, video: bool = False) -> int:
+    return sum(sum(1 for t in r["labels"] if t != -100) for r in global_rows(step, video))
+
+
+def _train(model, steps: int, pd: ParallelDims | None, video: bool = False) -> dict[str, Any]:
     loss_fn = CrossEntropyLoss.Config().build()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=LR, momentum=0.9, foreach=False)
@@ -134,7 +174,7 @@ def _train(model, steps: int, pd: ParallelDims | None) -> dict[str, Any]:
     cp, cp_rank = (pd.cp, pd.mesh_coordinate("cp")) if pd else (1, 0)
     losses, norms, first_grads = [], [], {}
     for step in range(steps):
-        rows = global_rows(step)
+        rows = global_rows(step, video)
         per = len(rows) // dp
         mb = micro_batch(step, rows[dp_rank * per : (dp_rank + 1) * per], dp_rank * per)
         # a CP rank takes a chunk of every row ([3, B, T] positions too); pixels and grids stay whole
@@ -142,7 +182,7 @@ def _train(model, steps: int, pd: ParallelDims | None) -> dict[str, Any]:
                                 model_keys=Qwen3VlMoeModel.input_keys)  # fmt: skip
         opt.zero_grad()
         with CrossEntropyLoss.parallel_context(enabled=pd is not None and pd.loss_parallel_enabled):
-            loss = _forward_loss(model, mb, global_token_count(step), loss_fn)
+            loss = _forward_loss(model, mb, global_token_count(step, video), loss_fn)
             loss.backward()
         if step == 0:
             first_grads = whole_grads(model)
@@ -156,21 +196,25 @@ def _train(model, steps: int, pd: ParallelDims | None) -> dict[str, Any]:
 
 
 def _forward_loss(model, mb: dict[str, Any], num_tokens: int, loss_fn) -> torch.Tensor:
+    videos = {k: mb[k] for k in ("pixel_values_videos", "video_grid_thw") if mb[k].numel()}
     logits, aux = split_output(
         model(mb["input_ids"], position_ids=mb["position_ids"], cu_seqlens=mb["cu_seqlens"],
-              max_seqlen=mb["max_seqlen"], pixel_values=mb["pixel_values"], image_grid_thw=mb["image_grid_thw"])
+              max_seqlen=mb["max_seqlen"], pixel_values=mb["pixel_values"], image_grid_thw=mb["image_grid_thw"],
+              **videos)
     )  # fmt: skip
     assert aux is None
     return loss_fn(logits, mb["labels"], num_tokens=num_tokens)
 
 
-def reference_job(steps: int, freeze_vision: bool = False, family: str = "qwen3_vl_moe") -> dict[str, Any]:
+def reference_job(
+    steps: int, freeze_vision: bool = False, family: str = "qwen3_vl_moe", video: bool = False
+) -> dict[str, Any]:
     torch.use_deterministic_algorithms(True)
-    return _train(build_model(freeze_vision, family), steps, None)
+    return _train(build_model(freeze_vision, family, video), steps, None, video)
 
 
 def layouts_job(
-    layouts: list[tuple[Layout, bool]], steps: int, family: str = "qwen3_vl_moe"
+    layouts: list[tuple[Layout, bool]], steps: int, family: str = "qwen3_vl_moe", video: bool = False
 ) -> dict[str, dict[str, Any]]:
     """Train ``steps`` under each ``(layout, freeze_vision)`` in turn; rank 0's losses and grad norms, and
     for a frozen tower whether it stayed bit-identical to the initial weights and outside FSDP on every rank."""
@@ -179,7 +223,7 @@ def layouts_job(
     torch.use_deterministic_algorithms(True)
     out: dict[str, dict[str, Any]] = {}
     for layout, freeze in layouts:
-        model = build_model(freeze, family)
+        model = build_model(freeze, family, video)
         initial = {k: v.clone() for k, v in model.visual.state_dict().items()}
         pd = ParallelDims.from_config(layout.parallelism(), dist.get_world_size())
         pd.build_mesh("cpu")
@@ -188,7 +232,7 @@ def layouts_job(
             parallelism=layout.parallelism(), ac_config=ActivationCheckpointConfig(mode=layout.ac),
             compile_config=CompileConfig(),
         )  # fmt: skip
-        result = _train(model, steps, pd)
+        result = _train(model, steps, pd, video)
         result["parallel_dims"] = str(pd)
         if freeze:
             tower = model.visual.state_dict()
