@@ -121,6 +121,18 @@ class Trainer(Configurable):
         # close() destroys the default group only if this trainer created it (not a caller's, e.g. a test pool's).
         self._owns_process_group = not (dist.is_available() and dist.is_initialized())
         self.device = init_distributed(config.comm)
+        try:
+            self._build(config)
+        except BaseException:
+            # A run that fails to start (a bad layout, data or checkpoint) frees what it made, so the caller's
+            # process can build another trainer without a leftover default group, mesh groups or data workers.
+            if getattr(self, "data", None) is not None:
+                self.data.close()
+            self._release_distributed()
+            raise
+
+    def _build(self, config: Config) -> None:
+        """Everything after the process group: layout, data, model, optimizer, checkpoints, metrics."""
         self.rank, _, self.world_size = world_info()
         set_determinism(config.debug.seed, deterministic=config.debug.deterministic)
         torch.autograd.set_detect_anomaly(config.debug.detect_anomaly)
@@ -517,7 +529,13 @@ class Trainer(Configurable):
         self.checkpointer.close()
         self.data.close()
         self.metrics.close()
-        self.parallel_dims.close()
+        self._release_distributed()
+
+    def _release_distributed(self) -> None:
+        """Destroy the groups of this run's meshes, and the default group when this trainer created it."""
+        parallel_dims = getattr(self, "parallel_dims", None)  # absent when construction failed before it
+        if parallel_dims is not None:
+            parallel_dims.close()
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_process_group = False
