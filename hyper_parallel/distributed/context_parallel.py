@@ -14,11 +14,26 @@ same trade on its token-major ``[B, T, H, ...]`` inputs (its recurrence needs wh
 Projections, norms, MLPs and the loss run on the local chunk; RoPE uses the chunk's own
 ``position_ids``. Gradients of the all-to-all are all-to-alls the other way
 (``all_to_all_single_autograd``), which gloo and NCCL both support.
+
+Beyond the head counts (``apply_context_parallel`` picks per core, and logs it):
+
+- Attention whose (key/value) heads per tensor-parallel rank do not divide by the CP degree gathers K/V
+  over the CP group and keeps its local queries (Llama 3's all-gather form, ``allgather_attention``).
+- Gated DeltaNet whose key heads per tensor-parallel rank do not divide passes its recurrent state between
+  sequence pieces (``gated_delta_state``): an all-gather of piece summaries ``(M, S_zero)`` and of the conv
+  window's last ``K-1`` input rows.
+- Either way the batch uses the balanced (zig-zag) order when the model's inputs allow it (a model with no
+  inputs beyond the generic batch contract): rank ``r`` holds pieces ``r`` and ``2cp-1-r`` of every row
+  (``CPShard``), so causal attention work is equal on every rank. Ulysses cores then put the gathered
+  sequence back into natural order around the core. The chosen order is ``model.cp_shard``; the batch
+  must be split with it (``split_batch_for_cp(..., balanced=model.cp_shard.balanced)``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -27,10 +42,21 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["apply_ulysses_cp", "seq_to_head_all_to_all", "head_to_seq_all_to_all", "split_batch_for_cp"]
+from hyper_parallel.models.common.attention import CPShard
+
+__all__ = [
+    "all_gather_cp",
+    "apply_context_parallel",
+    "apply_ulysses_cp",
+    "head_to_seq_all_to_all",
+    "seq_to_head_all_to_all",
+    "split_batch_for_cp",
+]
+
+logger = logging.getLogger(__name__)
 
 # Generic batch keys laid out [..., B, T] that are split along T.
-_SEQ_KEYS = ("input_ids", "labels", "position_ids", "source_ids")
+_SEQ_KEYS = ("input_ids", "labels", "position_ids", "source_ids", "mtp_input_ids", "mtp_labels")
 
 
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -61,17 +87,75 @@ def head_to_seq_all_to_all(x_BTHd: torch.Tensor, group: dist.ProcessGroup) -> to
     return recv.permute(1, 2, 0, 3, 4).reshape(B, T // cp, cp * h, d)
 
 
-def _pre_hook(group: dist.ProcessGroup):
+# recent torch renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _AllGather(torch.autograd.Function):
+    """``x [*s] -> [size, *s]`` over ``group``; backward: each rank gets the SUM of every rank's gradient for its
+    own slice (a reduce-scatter; on gloo, which has none, an all-to-all and a sum in rank order)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: D102
+        size = dist.get_world_size(group)
+        x = x.contiguous()
+        out = x.new_empty(size * x.shape[0], *x.shape[1:])  # gloo wants the gathered dim flat
+        _all_gather_single(out, x, group=group)
+        ctx.group = group
+        return out.view(size, *x.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        group = ctx.group
+        grad = grad.contiguous()
+        if dist.get_backend(group) == "gloo":
+            recv = torch.empty_like(grad)
+            dist.all_to_all_single(recv, grad, group=group)  # recv[i] = rank i's gradient of my slice
+            return recv.sum(0), None
+        out = grad.new_empty(grad.shape[1:])
+        _reduce_scatter_single(out, grad.flatten(0, 1), group=group)
+        return out, None
+
+
+def all_gather_cp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable all-gather along a new leading dim (rank order); backward is a reduce-scatter."""
+    return _AllGather.apply(x, group)
+
+
+class _NaturalOrder:
+    """Index tensors that put a rank-major gathered sequence (the Ulysses all-to-all's output under the
+    balanced order) into natural order and back, cached per local length and device."""
+
+    def __init__(self, shard: CPShard) -> None:
+        self.shard, self.cache = shard, {}
+
+    def __call__(self, local_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (local_len, str(device))
+        if key not in self.cache:
+            nat = self.shard.natural_index(local_len, device)
+            self.cache[key] = (nat, torch.argsort(nat))
+        return self.cache[key]
+
+
+def _pre_hook(group: dist.ProcessGroup, order: _NaturalOrder | None):
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         q, k, v, *rest = args
-        q, k, v = (seq_to_head_all_to_all(t, group) for t in (q, k, v))
+        t = q.shape[2]
+        q, k, v = (seq_to_head_all_to_all(x, group) for x in (q, k, v))
+        if order is not None:  # balanced order: the all-to-all returns rank-major pieces
+            nat, _ = order(t, q.device)
+            q, k, v = (x.index_select(2, nat) for x in (q, k, v))
         return (q, k, v, *rest), kwargs
 
     return hook
 
 
-def _post_hook(group: dist.ProcessGroup):
+def _post_hook(group: dist.ProcessGroup, order: _NaturalOrder | None):
     def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        if order is not None:  # natural -> rank-major before the all-to-all back
+            _, inv = order(output.shape[1] // dist.get_world_size(group), output.device)
+            output = output.index_select(1, inv)
         return head_to_seq_all_to_all(output, group)
 
     return hook
@@ -86,21 +170,111 @@ def _token_major_seq_to_head(x_BtH: torch.Tensor, group: dist.ProcessGroup) -> t
     return y_BHTd.transpose(1, 2).reshape(B, y_BHTd.shape[2], y_BHTd.shape[1], *rest)
 
 
-def _head_split_pre_hook(group: dist.ProcessGroup, n_inputs: int):
+def _head_split_pre_hook(group: dist.ProcessGroup, n_inputs: int, order: _NaturalOrder | None):
     rank, world = dist.get_rank(group), dist.get_world_size(group)
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         local_kwargs = getattr(module, "cp_local_kwargs", None)
         if local_kwargs is not None:  # e.g. the rows of a per-channel weight that belong to this head chunk
             kwargs = local_kwargs(args, kwargs, rank=rank, world=world)
-        split = tuple(_token_major_seq_to_head(t, group) for t in args[:n_inputs])
+        t = args[0].shape[1]
+        split = tuple(_token_major_seq_to_head(x, group) for x in args[:n_inputs])
+        if order is not None:
+            nat, _ = order(t, split[0].device)
+            split = tuple(x.index_select(1, nat) for x in split)
         return (*split, *args[n_inputs:]), kwargs
 
     return hook
 
 
+def _inject_shard_hook(shard: CPShard):
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, {**kwargs, "cp": shard}
+
+    return hook
+
+
+def _attention_heads(parent: nn.Module) -> tuple[int, int]:
+    """(query heads, key/value heads) of an attention block, from its config (MLA: one K/V per query head)."""
+    cfg = parent.config
+    n_heads = cfg.n_heads
+    return n_heads, getattr(cfg, "n_kv_heads", n_heads)
+
+
+def apply_context_parallel(
+    model: nn.Module,
+    cp_mesh: DeviceMesh,
+    *,
+    tp: int = 1,
+    attention_name: str = "inner_attention",
+    balanced: bool | None = None,
+) -> dict[str, str]:
+    """Context parallel on every sequence core of ``model``; return ``{core FQN: form}`` (also logged).
+
+    Forms, chosen per core from its heads per tensor-parallel rank (``tp``):
+    - ``ulysses``: heads divide by the CP degree: all-to-all to whole sequences with a chunk of heads;
+    - ``allgather``: attention whose query or K/V heads do not divide: K/V gathered, local queries kept;
+    - ``state_passing``: a linear-attention core (``cp_head_split_inputs``) whose key heads do not divide
+      and that accepts a ``cp`` keyword (``cp_state_passing``): recurrent state passed between pieces.
+    The balanced (zig-zag) batch order is used when any core needs the whole-row K/V or state (``allgather``,
+    ``state_passing``) and ``balanced`` is not False; ``balanced=None`` (default) also requires the model to
+    take no inputs beyond the generic batch contract (``input_keys``: a model input may index the token
+    stream in a way only the model knows). ``model.cp_shard`` holds the order the batch must be split with,
+    ``model.cp_plan`` the returned plan.
+    """
+    group = cp_mesh.get_group()
+    cp = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    plan: dict[str, str] = {}
+    named = dict(model.named_modules())
+    for fqn, module in named.items():
+        parent = named[fqn.rsplit(".", 1)[0]] if "." in fqn else model
+        if getattr(module, "cp_head_split_inputs", 0):
+            n_k = parent.config.num_k_heads // tp
+            if n_k % cp == 0:
+                plan[fqn] = "ulysses"
+            elif getattr(module, "cp_state_passing", False):
+                plan[fqn] = "state_passing"
+            else:
+                raise ValueError(
+                    f"{fqn}: {n_k} key heads per tensor-parallel rank do not divide into context_parallel_degree "
+                    f"{cp} and the core cannot pass state: set --parallelism.context_parallel_degree to a divisor "
+                    f"of {n_k}"
+                )
+        elif fqn.rsplit(".", 1)[-1] == attention_name:
+            n_q, n_kv = (n // tp for n in _attention_heads(parent))
+            plan[fqn] = "ulysses" if n_q % cp == 0 and n_kv % cp == 0 else "allgather"
+    if not plan:
+        raise ValueError(f"context parallel found no attention core named {attention_name!r} in the model")
+    needs_rows = any(form != "ulysses" for form in plan.values())
+    if balanced is None:
+        balanced = needs_rows and not getattr(model, "input_keys", ())
+    shard = CPShard(rank=rank, size=cp, balanced=bool(balanced), all_gather=partial(all_gather_cp, group=group))
+    order = _NaturalOrder(shard) if shard.balanced else None
+    for fqn, form in plan.items():
+        module = named[fqn]
+        n_inputs = getattr(module, "cp_head_split_inputs", 0)
+        if form == "ulysses":
+            pre = _head_split_pre_hook(group, n_inputs, order) if n_inputs else _pre_hook(group, order)
+            module.register_forward_pre_hook(pre, with_kwargs=True)
+            module.register_forward_hook(_post_hook(group, order))
+        else:
+            module.register_forward_pre_hook(_inject_shard_hook(shard), with_kwargs=True)
+    model.cp_shard, model.cp_plan = shard, plan
+    if rank == 0:
+        counts: dict[str, int] = {}
+        for form in plan.values():
+            counts[form] = counts.get(form, 0) + 1
+        forms = ", ".join(f"{n} x {form}" for form, n in sorted(counts.items()))
+        logger.info(
+            "context parallel %d: %s; batch order %s", cp, forms,
+            "balanced (zig-zag pieces r and 2cp-1-r)" if shard.balanced else "contiguous",
+        )  # fmt: skip
+    return plan
+
+
 def apply_ulysses_cp(model: nn.Module, cp_mesh: DeviceMesh, *, attention_name: str = "inner_attention") -> int:
-    """Wrap every sequence core with the Ulysses all-to-alls; return how many.
+    """Ulysses everywhere (every core's heads must divide by the CP degree); return how many cores.
 
     - An attention core named ``attention_name`` takes ``(q [B, H, T, dqk], k [B, Hk, T, dqk], v [B, Hk, T,
       dv], ...)`` positionally with the global ``AttentionMeta`` as a keyword, and returns ``[B, T, H, dv]``.
@@ -110,19 +284,20 @@ def apply_ulysses_cp(model: nn.Module, cp_mesh: DeviceMesh, *, attention_name: s
       ``cp_local_kwargs(args, kwargs, *, rank, world) -> kwargs`` (called with the inputs before the
       all-to-all, all heads) adapts keyword inputs to head chunk ``rank`` of ``world``.
 
-    Hooks, not a wrapper module, so parameter FQNs and the module tree stay unchanged.
+    Hooks, not a wrapper module, so parameter FQNs and the module tree stay unchanged. The batch order is
+    contiguous. ``apply_context_parallel`` chooses the form per core instead.
     """
     group = cp_mesh.get_group()
     count = 0
     for fqn, module in model.named_modules():
         n_inputs = getattr(module, "cp_head_split_inputs", 0)
         if n_inputs:
-            module.register_forward_pre_hook(_head_split_pre_hook(group, n_inputs), with_kwargs=True)
-            module.register_forward_hook(_post_hook(group))
+            module.register_forward_pre_hook(_head_split_pre_hook(group, n_inputs, None), with_kwargs=True)
+            module.register_forward_hook(_post_hook(group, None))
             count += 1
         elif fqn.rsplit(".", 1)[-1] == attention_name:
-            module.register_forward_pre_hook(_pre_hook(group), with_kwargs=True)
-            module.register_forward_hook(_post_hook(group))
+            module.register_forward_pre_hook(_pre_hook(group, None), with_kwargs=True)
+            module.register_forward_hook(_post_hook(group, None))
             count += 1
     if count == 0:
         raise ValueError(f"context parallel found no attention core named {attention_name!r} in the model")
@@ -136,32 +311,44 @@ def split_batch_for_cp(
     *,
     split_inputs: Callable[..., dict[str, Any]] | None = None,
     model_keys: tuple[str, ...] = (),
+    balanced: bool = False,
 ) -> dict[str, Any]:
-    """This CP rank's part of a batch: a contiguous chunk of every row.
+    """This CP rank's part of a batch: a contiguous chunk of every row, or with ``balanced`` the pieces
+    ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` of ``2 * cp_size`` (``CPShard``; use the model's
+    ``cp_shard.balanced`` after ``apply_context_parallel``).
 
     The generic keys ``input_ids``, ``labels`` (``[B, T]``) and ``position_ids`` (``[B, T]`` or
-    ``[3, B, T]``) are sliced along their last dim; ``cu_seqlens``/``max_seqlen`` stay GLOBAL (attention
-    runs on whole sequences after the all-to-all). The model's own inputs (``model_keys``) go through
-    ``split_inputs(inputs, lo=, hi=, seqlen=)`` (the model's ``split_inputs_for_cp``); other keys pass
-    through. ``position_ids`` must be in the batch: they cannot be rebuilt from a chunk.
+    ``[3, B, T]``) are sliced along their last dim; ``cu_seqlens``/``max_seqlen`` stay GLOBAL (the sequence
+    cores see or reach whole rows). The model's own inputs (``model_keys``) go through
+    ``split_inputs(inputs, lo=, hi=, seqlen=)`` (the model's ``split_inputs_for_cp``; contiguous order only);
+    other keys pass through. ``position_ids`` must be in the batch: they cannot be rebuilt from a chunk.
     """
     if cp_size == 1:
         return dict(batch)
     if "position_ids" not in batch:
         raise ValueError("context parallel needs `position_ids` in the batch (positions of a chunk are not 0..n)")
     B, T = batch["input_ids"].shape
-    if T % cp_size:
+    multiple = 2 * cp_size if balanced else cp_size
+    if T % multiple:
         raise ValueError(
-            f"sequence length {T} is not divisible by context_parallel_degree {cp_size}: pad batches to a "
-            f"multiple of {cp_size} in the packing collate (or change --parallelism.context_parallel_degree)"
+            f"sequence length {T} is not divisible by {'2 x ' if balanced else ''}context_parallel_degree "
+            f"{cp_size}: pad batches to a multiple of {multiple} in the packing collate (or change "
+            "--parallelism.context_parallel_degree)"
         )
     t = T // cp_size
-    lo, hi = cp_rank * t, (cp_rank + 1) * t
+    shard = CPShard(rank=cp_rank, size=cp_size, balanced=balanced)
+    ranges = shard.ranges(t)
     out = dict(batch)
     for key in _SEQ_KEYS:
         if key in batch and batch[key] is not None:
-            out[key] = batch[key][..., lo:hi]
+            out[key] = torch.cat([batch[key][..., lo:hi] for lo, hi in ranges], dim=-1)
     inputs = {k: batch[k] for k in model_keys if k in batch}
     if inputs and split_inputs is not None:
+        if balanced:
+            raise ValueError(
+                f"the balanced context-parallel order cannot split the model inputs {sorted(inputs)}: "
+                "apply_context_parallel(balanced=False) for a model with its own inputs"
+            )
+        lo, hi = ranges[0]
         out.update(split_inputs(inputs, lo=lo, hi=hi, seqlen=T))
     return out

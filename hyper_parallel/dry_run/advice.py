@@ -8,20 +8,39 @@ from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.dry_run.report import GIB, DryRunReport
 from hyper_parallel.trainer import Trainer
 
-__all__ = ["fit_advice"]
+__all__ = ["fit_advice", "fitting_cp_degree"]
 
 _P = "--parallelism."
 
 
-def _activation_knobs(config: Trainer.Config, pd: ParallelDims) -> list[str]:
+def fitting_cp_degree(pd: ParallelDims, activations: float, room: float) -> int | None:
+    """The smallest context-parallel degree above ``pd.cp`` (a divisor of the ranks left after tp and
+    dp_replicate) whose activations, assumed to scale as 1/cp (every rank keeps T/cp tokens of every
+    sequence), fit in ``room`` bytes; None when none does."""
+    if room <= 0:
+        return None
+    span = pd.world_size // (pd.tp * pd.dp_replicate)
+    for cp in range(pd.cp + 1, span + 1):
+        if span % cp == 0 and activations * pd.cp / cp <= room:
+            return cp
+    return None
+
+
+def _activation_knobs(config: Trainer.Config, pd: ParallelDims, activations: float, room: float) -> list[str]:
     mode = config.activation_checkpoint.mode
     knobs = []
     if mode != "full":
         knobs.append(f"--activation_checkpoint.mode full (now {mode}) keeps only each layer's input for backward")
+    cp = fitting_cp_degree(pd, activations, room)
+    split = (
+        f"{_P}context_parallel_degree {cp} (now {pd.cp}) splits every sequence so the activations should fit"
+        if cp is not None
+        else f"split every sequence with {_P}context_parallel_degree (now {pd.cp}; no degree up to the "
+        f"{pd.world_size // (pd.tp * pd.dp_replicate)} ranks left after tp and dp_replicate fits alone)"
+    )
     knobs.append(
         f"lower --data.max_tokens_per_microbatch (now {config.data.max_tokens_per_microbatch}): activations scale "
-        f"with it; or split every sequence with {_P}context_parallel_degree (now {pd.cp}) or "
-        f"{_P}tensor_parallel_degree (now {pd.tp})"
+        f"with it; or {split}; or {_P}tensor_parallel_degree (now {pd.tp})"
     )
     return knobs
 
@@ -62,7 +81,7 @@ def fit_advice(report: DryRunReport, config: Trainer.Config, pd: ParallelDims) -
         f"optimizer {worst.optimizer / GIB:.2f}; the rest of the peak (activations, gathered weights, "
         f"temporaries) {rest / GIB:.2f})"
     ]
-    parts = [("activations", rest, _activation_knobs(config, pd))]
+    parts = [("activations", rest, _activation_knobs(config, pd, rest, budget - worst.static))]
     parts.append(("static state", worst.static, _static_knobs(report, config, pd, budget - rest)))
     parts.sort(key=lambda p: -p[1])
     for i, (name, size, knobs) in enumerate(parts):

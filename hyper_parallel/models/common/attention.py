@@ -37,7 +37,7 @@ stay in the graph; ``cu_seqlens`` and ``max_seqlen`` turn dynamic after their fi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -56,7 +56,7 @@ try:  # recent torch only
 except ImportError:  # pragma: no cover - depends on the torch version
     varlen_attn = None
 
-__all__ = ["AttentionMeta", "VarlenAttention", "check_boundaries"]
+__all__ = ["AttentionMeta", "CPShard", "VarlenAttention", "check_boundaries"]
 
 
 def _gpu_half(q: torch.Tensor) -> bool:
@@ -143,6 +143,61 @@ def check_boundaries(cu: Sequence[int], batch: int, seqlen: int) -> None:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class CPShard:
+    """Which tokens of every row this context-parallel rank holds, and how to gather over the CP group.
+
+    A row of ``T`` tokens is cut into ``n_pieces`` equal pieces. Contiguous order: ``size`` pieces, rank ``r``
+    holds piece ``r``. Balanced (zig-zag) order: ``2 * size`` pieces, rank ``r`` holds pieces ``r`` and
+    ``2 * size - 1 - r`` (in that local order), so every rank holds the same causal work (a query piece near
+    the start attends to few keys, its partner near the end to many). Every rank holds ``T / size`` tokens.
+
+    The sequence cores that need more than their own tokens (attention K/V, the DeltaNet recurrent state and
+    conv window) get this object as a keyword from the context-parallel hooks (``distributed.context_parallel``);
+    ``all_gather`` is that layer's differentiable all-gather over the CP group (its backward sums the
+    gradient of every rank's copy back to the owner: a reduce-scatter).
+    """
+
+    rank: int
+    size: int
+    balanced: bool
+    all_gather: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)
+    """``x [*s] -> [size, *s]`` (rank order), differentiable; None outside a CP group (tests of the pieces)."""
+
+    @property
+    def n_pieces(self) -> int:
+        return 2 * self.size if self.balanced else self.size
+
+    def pieces_of(self, rank: int) -> tuple[int, ...]:
+        """Global piece indices held by ``rank``, in its local order."""
+        return (rank, 2 * self.size - 1 - rank) if self.balanced else (rank,)
+
+    def piece_len(self, local_len: int) -> int:
+        n_local = 2 if self.balanced else 1
+        if local_len % n_local:
+            raise ValueError(
+                f"the balanced context-parallel order cuts each rank's {local_len} tokens into 2 pieces: pad "
+                f"batches to a multiple of 2 x context_parallel_degree = {2 * self.size}"
+            )
+        return local_len // n_local
+
+    def ranges(self, local_len: int, rank: int | None = None) -> list[tuple[int, int]]:
+        """Global ``[lo, hi)`` of every piece of ``rank`` (default: this one) in a row, in local order."""
+        n = self.piece_len(local_len)
+        return [(p * n, (p + 1) * n) for p in self.pieces_of(self.rank if rank is None else rank)]
+
+    def natural_index(self, local_len: int, device: torch.device | None = None) -> torch.Tensor:
+        """``[T]`` long: for each global position of a row, its index in the rank-major gathered order
+        (rank 0's local tokens, then rank 1's, ...)."""
+        idx = torch.empty(local_len * self.size, dtype=torch.long)
+        for r in range(self.size):
+            at = r * local_len
+            for lo, hi in self.ranges(local_len, r):
+                idx[lo:hi] = torch.arange(at, at + hi - lo)
+                at += hi - lo
+        return idx.to(device)
+
+
 class VarlenAttention(Module):
     """Causal (optionally block-diagonal) scaled-dot-product attention; no parameters."""
 
@@ -188,11 +243,18 @@ class VarlenAttention(Module):
         *,
         scale: float,
         meta: AttentionMeta | None = None,
+        cp: CPShard | None = None,
     ) -> torch.Tensor:
-        """q ``[B, H, T, dqk]``, k ``[B, Hk, T, dqk]``, v ``[B, Hk, T, dv]`` -> ``[B, T, H, dv]``."""
+        """q ``[B, H, T, dqk]``, k ``[B, Hk, T, dqk]``, v ``[B, Hk, T, dv]`` -> ``[B, T, H, dv]``.
+
+        ``cp`` (set by the context-parallel hooks, never by a caller): the inputs are this rank's pieces of
+        every row; K/V are all-gathered over the CP group and the local queries attend to them
+        (``allgather_attention``)."""
         if q.shape[1] % k.shape[1]:
             raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
         kernel = self.kernel(q)
+        if cp is not None:
+            return allgather_attention(q, k, v, scale=scale, meta=meta, cp=cp, flash=kernel == "flash")
         # Only `cu_seqlens` is read here: under torch.compile this frame is traced, and reading the host
         # list would guard on its length (a recompile per document count). The kernels read it outside.
         packed = meta is not None and meta.cu_seqlens is not None
@@ -278,3 +340,95 @@ def _varlen_kernel(
             q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), enable_gqa=k.shape[1] != H
         )
     return out.view(B, T, H, dqk)[..., :dv]
+
+
+def allgather_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    meta: AttentionMeta | None,
+    cp: CPShard,
+    flash: bool = False,
+) -> torch.Tensor:
+    """Context-parallel attention without splitting heads (Llama 3's all-gather form).
+
+    q ``[B, H, t, dqk]``, k ``[B, Hk, t, dqk]``, v ``[B, Hk, t, dv]`` hold this rank's pieces of every row
+    (``cp.ranges``); ``meta`` holds the GLOBAL document boundaries over the ``B * t * size`` stream. K and V
+    (the small GQA tensors) are gathered whole; each local query piece attends to the keys of its own
+    documents up to itself: a causal block aligned bottom-right (a piece that starts inside a document sees
+    that document's earlier pieces in full). The gather's backward sums every rank's K/V gradient into
+    the owner's (a reduce-scatter), so gradients are exact. Returns ``[B, t, H, dv]``.
+    """
+    B, H, t, dqk = q.shape
+    dv = v.shape[-1]
+    T = t * cp.size
+    kv = torch.cat([k, v], dim=-1)  # one collective for both
+    gathered = cp.all_gather(kv)  # [size, B, Hk, t, dqk + dv], rank-major
+    kv = gathered.permute(1, 2, 0, 3, 4).reshape(B, k.shape[1], T, dqk + dv)
+    kv = kv.index_select(2, cp.natural_index(t, q.device))  # natural order
+    k_all, v_all = kv.split([dqk, dv], dim=-1)
+    cu = meta.boundaries(B, T) if meta is not None and meta.cu_seqlens is not None else list(range(0, B * T + 1, T))
+    # per (row, local piece): the documents it meets, as (query [lo, hi), key start) in row coordinates
+    blocks: list[tuple[int, int, int, int, int]] = []  # (row, local query offset, q_lo, q_hi, k_lo)
+    at = 0
+    for plo, phi in cp.ranges(t):
+        for b in range(B):
+            row = b * T  # documents never cross a row (checked by meta.boundaries)
+            docs = [(s - row, e - row) for s, e in zip(cu[:-1], cu[1:]) if e > row + plo and s < row + phi]
+            for ds, de in docs:
+                lo, hi = max(ds, plo), min(de, phi)
+                blocks.append((b, at + lo - plo, lo, hi, ds))
+        at += phi - plo
+    if flash:
+        return _allgather_flash(q, k_all, v_all, scale, blocks, t)
+    gqa = k_all.shape[1] != H
+    outs = []
+    for b, off, lo, hi, ds in blocks:
+        qb = q[b : b + 1, :, off : off + hi - lo]
+        kb, vb = k_all[b : b + 1, :, ds:hi], v_all[b : b + 1, :, ds:hi]
+        if lo == ds:
+            o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:  # queries start inside the document: causal aligned bottom-right
+            mask = torch.ones(hi - lo, hi - ds, dtype=torch.bool, device=q.device).tril(lo - ds)
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        outs.append((b, off, o[0].transpose(0, 1)))  # [L, H, dv]
+    return _place(outs, B, t, H, dv)
+
+
+def _place(outs: list, B: int, t: int, H: int, dv: int) -> torch.Tensor:
+    """Blocks ``(row, offset, [L, H, dv])`` covering every local token -> ``[B, t, H, dv]`` (one cat)."""
+    order = sorted(range(len(outs)), key=lambda i: (outs[i][0], outs[i][1]))
+    flat = torch.cat([outs[i][2] for i in order], dim=0)
+    if flat.shape[0] != B * t:
+        raise RuntimeError(f"context-parallel attention covered {flat.shape[0]} of {B * t} local tokens")
+    return flat.view(B, t, H, dv)
+
+
+def _allgather_flash(
+    q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, scale: float, blocks: list, t: int
+) -> torch.Tensor:
+    """The blocks of ``allgather_attention`` as ONE ``flash_attn_varlen_func`` call: queries and their key
+    spans packed as varlen streams; the kernel's causal mask is aligned bottom-right when a block has more
+    keys than queries (flash-attn >= 2.1), which is exactly the block's mask."""
+    B, H, _, dqk = q.shape
+    dv = v_all.shape[-1]
+    order = sorted(blocks, key=lambda x: (x[0], x[1]))
+    T = k_all.shape[2]
+    dev = q.device
+    q_idx = torch.cat([torch.arange(b * t + off, b * t + off + hi - lo, device=dev) for b, off, lo, hi, ds in order])
+    k_idx = torch.cat([torch.arange(b * T + ds, b * T + hi, device=dev) for b, off, lo, hi, ds in order])
+    cu_q = torch.tensor([0] + [hi - lo for _, _, lo, hi, _ in order], device=dev).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + [hi - ds for _, _, lo, hi, ds in order], device=dev).cumsum(0).to(torch.int32)
+    qf = q.transpose(1, 2).reshape(B * t, H, dqk).index_select(0, q_idx)
+    kf = k_all.transpose(1, 2).reshape(B * T, -1, dqk).index_select(0, k_idx)
+    vf = v_all.transpose(1, 2).reshape(B * T, -1, dv).index_select(0, k_idx)
+    if dv < dqk:
+        vf = F.pad(vf, (0, dqk - dv))
+    out = flash_attn_varlen_func(
+        qf, kf, vf, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        max_seqlen_q=max(hi - lo for _, _, lo, hi, _ in order), max_seqlen_k=max(hi - ds for _, _, _, hi, ds in order),
+        softmax_scale=scale, causal=True, deterministic=torch.are_deterministic_algorithms_enabled(),
+    )  # fmt: skip
+    return out[..., :dv].reshape(B, t, H, dv)

@@ -28,13 +28,14 @@ fp16/bf16 inputs the ``causal-conv1d`` and ``flash-linear-attention`` kernels (t
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 
-from hyper_parallel.models.common.attention import AttentionMeta, check_boundaries
+from hyper_parallel.models.common.attention import AttentionMeta, CPShard, check_boundaries
 from hyper_parallel.protocols.module import Module
 
 try:  # optional CUDA kernels (the ``gpu`` extra); the torch path below never needs them
@@ -46,7 +47,14 @@ try:
 except ImportError:  # pragma: no cover - depends on the environment
     causal_conv1d_fn = None
 
-__all__ = ["GatedDeltaRule", "causal_conv1d_silu", "chunk_gated_delta_rule", "cuda_kernels_can_run", "document_bounds"]
+__all__ = [
+    "GatedDeltaRule",
+    "causal_conv1d_silu",
+    "chunk_gated_delta_rule",
+    "cuda_kernels_can_run",
+    "document_bounds",
+    "gated_delta_rule_cp",
+]
 
 
 def document_bounds(cu_seqlens: torch.Tensor | list[int] | None, batch: int, seqlen: int) -> list[int]:
@@ -458,6 +466,9 @@ class GatedDeltaRule(Module):
     cp_head_split_inputs: ClassVar[int] = 3
     """Context parallel splits qkv (by key-head group), g and beta (by value head), all token-major ``[B, T,
     H, ...]`` (``context_parallel``)."""
+    cp_state_passing: ClassVar[bool] = True
+    """Beyond the key heads, context parallel passes ``cp=CPShard`` instead: the inputs are this rank's pieces
+    of every row and the recurrent state is passed between pieces (``gated_delta_rule_cp``)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
@@ -480,6 +491,7 @@ class GatedDeltaRule(Module):
         *,
         conv_weight: torch.Tensor,
         meta: AttentionMeta | None = None,
+        cp: CPShard | None = None,
     ) -> torch.Tensor:
         B, T, Hk, G = qkv.shape
         Hv = g.shape[-1]
@@ -489,6 +501,9 @@ class GatedDeltaRule(Module):
                 f"GatedDeltaRule: qkv groups of {G} channels do not hold 2 x {dk} key + {Hv // Hk} x {dv} value "
                 f"channels for {Hk} key heads and {Hv} value heads"
             )
+        if cp is not None:  # set by the context-parallel hook, never by a caller
+            return gated_delta_rule_cp(qkv, g, beta, conv_weight_CK=conv_weight, meta=meta, cp=cp, head_k_dim=dk,
+                                       head_v_dim=dv, chunk_size=self.config.chunk_size)  # fmt: skip
         cu = document_bounds(meta.cu_seqlens if meta is not None else None, B, T)
         if self.kernel(qkv) == "cuda_kernels":
             return _cuda_kernels_forward(qkv, g, beta, conv_weight, cu, Dk=dk, Dv=dv)
@@ -522,3 +537,260 @@ class GatedDeltaRule(Module):
 
     def extra_repr(self) -> str:
         return f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, chunk_size={self.config.chunk_size}"
+
+
+# ---------------------------------------------------------------- context parallel: state passing
+# Gated DeltaNet context parallel beyond the key heads: pieces of a sequence pass their recurrent state.
+#
+# Legend as in ``gated_delta_rule``: B rows, t local tokens per row, T = t * cp global tokens, Hk/Hv key/value
+# heads, Dk/Dv head dims, C conv channels, K conv taps, L chunk length; a *piece* is one of the equal parts a
+# context-parallel rank holds of every row (``CPShard``), a *segment* the part of one document inside a piece.
+#
+# Why it is exact. Per value head, one chunk step of the rule is affine in the incoming state ``S [Dk, Dv]``::
+#
+#     v' = U - W S,   o = Qd S + P v',   S_next = (d I - Kd^T W) S + Kd^T U
+#
+# so over a whole piece ``S_out = M S_in + S_zero`` with ``M [Dk, Dk]`` the product of the step transitions and
+# ``S_zero`` the final state of the piece run from a zero state. Each rank therefore
+#
+# 1. gets the ``K-1`` conv input rows before each of its pieces (one small all-gather of piece tails) and runs
+#    the causal conv on ``[halo | piece]`` (taps still never cross a document start);
+# 2. runs the chunked rule on its segments from zero, keeping only states: ``S_zero`` of every piece whose last
+#    document continues into the next piece, and ``M`` of every piece that one document crosses whole;
+# 3. all-gathers these ``(M, S_zero)`` summaries (``Hv * Dk * (Dk + Dv)`` floats per piece, independent of T);
+# 4. composes the true incoming state of each of its pieces in piece order: zero at a document start,
+#    ``S_zero(prev)`` when a document starts inside the previous piece, ``M(prev) S_in(prev) + S_zero(prev)``
+#    when one document crosses the previous piece whole;
+# 5. runs the rule again on its segments, the first one of each piece from its true incoming state: these
+#    are the outputs (the "correction" is folded into one output pass, cheaper than zero-start outputs plus
+#    a separate linear pass).
+#
+# Autograd differentiates all of it, through the all-gathers (whose backward sums every copy's gradient
+# into the owner's, a reduce-scatter), so the backward is exact too. Everything runs in fp32.
+
+
+def piece_segments(cu: list[int], B: int, T: int, ranges: list[tuple[int, int]]) -> list[dict]:
+    """For every (row, local piece) in local stream order: its global range, local offset, the document
+    boundaries strictly inside it (row coordinates), and whether the document at its start began earlier
+    (``carry_in``) or the one at its end continues (``carry_out``)."""
+    starts = set(cu)
+    t = sum(hi - lo for lo, hi in ranges)
+    out = []
+    for b in range(B):
+        row = b * T
+        off = 0
+        for lo, hi in ranges:
+            inner = [s - row for s in cu if row + lo < s < row + hi]
+            out.append({
+                "row": b, "lo": lo, "hi": hi, "local": b * t + off, "inner": inner,
+                "carry_in": row + lo not in starts, "carry_out": row + hi not in starts,
+            })  # fmt: skip
+            off += hi - lo
+    return out
+
+
+def _through(cu: list[int], row: int, lo: int, hi: int) -> bool:
+    """One document crosses piece ``[lo, hi)`` whole (no document starts in it)."""
+    i = bisect.bisect_left(cu, row + lo)
+    return i == len(cu) or cu[i] >= row + hi
+
+
+def _scan(U, W, Kd, decay, steps: list[int], S0: torch.Tensor, Qd=None, P=None):
+    """The chunk steps of ``_ChunkScan`` from per-document initial states ``S0 [D, H, Dk, X]`` (documents in
+    the plan's sorted order), by autograd. ``U=None``: the linear part only (the transition product when
+    ``S0`` is the identity). Returns ``(outputs [N, H, L, Dv] or None, final states [D, H, Dk, X])``."""
+    S = S0
+    outs, finals = [], []
+    a = 0
+    for j, n in enumerate(steps):
+        b = a + n
+        S = S[:n]
+        v_new = -(W[a:b] @ S) if U is None else U[a:b] - W[a:b] @ S
+        if Qd is not None:
+            outs.append(Qd[a:b] @ S + P[a:b] @ v_new)
+        S = S * decay[a:b] + Kd[a:b].mT @ v_new
+        n_next = steps[j + 1] if j + 1 < len(steps) else 0
+        if n_next < n:  # documents n_next .. n-1 end with this step
+            finals.append(S[n_next:])
+        a = b
+    return (torch.cat(outs) if outs else None), torch.cat(finals[::-1])
+
+
+def _prepare(qkv_NC: torch.Tensor, g_NH: torch.Tensor, beta_NH: torch.Tensor, cu: list[int], *, Hk, Dk, Dv, L):
+    """The intra-chunk quantities of ``_chunk_rule`` (same formulas) for the segments ``cu`` of a flat stream."""
+    plan = _chunk_plan(cu, L, qkv_NC.device)
+    Hv = g_NH.shape[-1]
+    r = Hv // Hk
+
+    def to_chunks(t_NF: torch.Tensor) -> torch.Tensor:
+        flat = torch.cat([t_NF, t_NF.new_zeros(1, t_NF.shape[-1])])
+        return flat.index_select(0, plan.gather_NL.reshape(-1)).view(*plan.gather_NL.shape, -1)
+
+    qkv, g, beta = to_chunks(qkv_NC.float()), to_chunks(g_NH.float()), to_chunks(beta_NH.float())
+    q, k, v = qkv.reshape(-1, L, Hk, 2 * Dk + r * Dv).split([Dk, Dk, r * Dv], dim=-1)
+    q = (_l2norm(q) * Dk**-0.5).transpose(1, 2).repeat_interleave(r, dim=1)
+    k = _l2norm(k).transpose(1, 2).repeat_interleave(r, dim=1)
+    v = v.reshape(-1, L, Hv, Dv).transpose(1, 2).contiguous()
+    g, beta = g.transpose(1, 2), beta.transpose(1, 2)
+    gamma = g.cumsum(dim=-1)
+    upper = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
+    decay_LL = (gamma.unsqueeze(-1) - gamma.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    k_beta = k * beta.unsqueeze(-1)
+    A = (k_beta @ k.transpose(-1, -2)) * decay_LL
+    P = (q @ k.transpose(-1, -2)) * decay_LL
+    U, W = _UnitLowerSolve.apply(A, v * beta.unsqueeze(-1), k_beta * gamma.exp().unsqueeze(-1))
+    Qd = q * gamma.exp().unsqueeze(-1)
+    Kd = k * (gamma[..., -1:] - gamma).exp().unsqueeze(-1)
+    decay = gamma[..., -1].exp()[..., None, None]
+    lengths = [e - s for s, e in zip(cu[:-1], cu[1:])]
+    n_chunks = [-(-n // L) for n in lengths]
+    order = sorted(range(len(lengths)), key=lambda d: -n_chunks[d])  # _chunk_plan's document order
+    return plan, order, (U, W, Qd, P, Kd, decay)
+
+
+def _subset_rows(steps: list[int], keep: list[int]) -> tuple[list[int], list[int]]:
+    """Chunk rows (step-major) and steps of the sorted documents ``keep`` (ascending) alone."""
+    rows, sub_steps, a = [], [], 0
+    for n in steps:
+        active = [r for r in keep if r < n]
+        rows += [a + r for r in active]
+        sub_steps.append(len(active))
+        a += n
+    while sub_steps and sub_steps[-1] == 0:
+        sub_steps.pop()
+    return rows, sub_steps
+
+
+def gated_delta_rule_cp(
+    qkv_BTHG: torch.Tensor,
+    g_BTH: torch.Tensor,
+    beta_BTH: torch.Tensor,
+    *,
+    conv_weight_CK: torch.Tensor,
+    meta: AttentionMeta | None,
+    cp: CPShard,
+    head_k_dim: int,
+    head_v_dim: int,
+    chunk_size: int,
+) -> torch.Tensor:
+    """``GatedDeltaRule`` on this context-parallel rank's pieces of every row, exact for the whole rows.
+
+    Inputs as ``GatedDeltaRule.forward`` (PRE-conv ``qkv [B, t, Hk, G]`` grouped by key head, all of the rank's
+    heads) for the local tokens; ``meta`` holds the GLOBAL document boundaries. Returns ``[B, t, Hv, Dv]``.
+    """
+    B, t, Hk, G = qkv_BTHG.shape
+    Hv = g_BTH.shape[-1]
+    Dk, Dv, L = head_k_dim, head_v_dim, chunk_size
+    C, K = Hk * G, conv_weight_CK.shape[-1]
+    T = t * cp.size
+    packed = meta is not None and meta.cu_seqlens is not None
+    cu_g = list(meta.boundaries(B, T)) if packed else document_bounds(None, B, T)
+    cu_set = set(cu_g)
+    ranges = cp.ranges(t)
+    plen = ranges[0][1] - ranges[0][0]
+    if plen < K - 1:
+        raise ValueError(
+            f"context-parallel pieces of {plen} tokens are shorter than the conv window ({K - 1} rows): use longer "
+            "sequences or a smaller context_parallel_degree"
+        )
+    pieces = piece_segments(cu_g, B, T, ranges)
+    x = qkv_BTHG.reshape(B, t, C)
+
+    # 1. conv halo: the K-1 input rows before every piece come from the previous piece's owner
+    halo = K - 1
+    if halo:
+        local_offsets = [0]
+        for lo, hi in ranges[:-1]:
+            local_offsets.append(local_offsets[-1] + hi - lo)
+        tails = torch.stack([x[:, o + plen - halo : o + plen] for o in local_offsets])  # [np, B, K-1, C]
+        gathered_tails = cp.all_gather(tails)  # [size, np, B, K-1, C]
+        owner = {gp: (rk, i) for rk in range(cp.size) for i, gp in enumerate(cp.pieces_of(rk))}
+    parts, cu_ext, keep = [], [0], []
+    at = 0
+    for p in pieces:
+        b, lo, hi = p["row"], p["lo"], p["hi"]
+        if halo:
+            gp = lo // plen
+            if gp == 0:
+                parts.append(x.new_zeros(halo, C))
+            else:
+                rk, i = owner[gp - 1]
+                parts.append(gathered_tails[rk, i, b])
+        off = p["local"] - b * t
+        parts.append(x[b, off : off + plen])
+        # boundaries of the extended piece [lo - halo, hi): its start and every document start after it
+        row = b * T
+        cu_ext += [at + s - (row + lo - halo) for s in cu_g if row + lo - halo < s < row + hi]
+        keep.append(torch.arange(at + halo, at + halo + plen))
+        at += halo + plen
+        cu_ext.append(at)
+    cu_ext = sorted(set(cu_ext))
+    x_ext = torch.cat(parts)[None]  # [1, N_ext, C]
+    y_ext = causal_conv1d_silu(x_ext, conv_weight_CK, cu_ext)[0]
+    y = y_ext.index_select(0, torch.cat(keep).to(y_ext.device))  # [B*t, C] local stream order
+
+    # 2. segments of the local stream: piece starts and the document starts inside pieces
+    cu_loc, first_seg, last_seg = [], [], []
+    for p in pieces:
+        first_seg.append(len(cu_loc))
+        cu_loc.append(p["local"])
+        cu_loc += [p["local"] + s - p["lo"] for s in p["inner"]]
+        last_seg.append(len(cu_loc) - 1)
+    cu_loc.append(B * t)
+    plan, order, (U, W, Qd, P, Kd, decay) = _prepare(
+        y, g_BTH.reshape(B * t, Hv), beta_BTH.reshape(B * t, Hv), cu_loc, Hk=Hk, Dk=Dk, Dv=Dv, L=L
+    )
+    steps = plan.docs_per_step
+    sorted_pos = {d: r for r, d in enumerate(order)}
+    n_docs = len(order)
+    f32 = dict(dtype=torch.float32, device=y.device)
+
+    # 3. summaries: zero-start final states, and the transition of pieces one document crosses whole
+    _, finals = _scan(U, W, Kd, decay, steps, torch.zeros(n_docs, Hv, Dk, Dv, **f32))
+    through = [p["carry_in"] and not p["inner"] for p in pieces]
+    keep_docs = sorted(sorted_pos[first_seg[i]] for i, th in enumerate(through) if th)
+    M_of = {}
+    if keep_docs:
+        rows, sub_steps = _subset_rows(steps, keep_docs)
+        idx = torch.tensor(rows, device=y.device)
+        eye = torch.eye(Dk, **f32).expand(len(keep_docs), Hv, Dk, Dk)
+        sub = [t_.index_select(0, idx) for t_ in (W, Kd, decay)]
+        _, M = _scan(None, sub[0], sub[1], sub[2], sub_steps, eye)
+        M_of = {r: M[j] for j, r in enumerate(keep_docs)}
+    zeros_s, zeros_m = torch.zeros(Hv, Dk, Dv, **f32), torch.zeros(Hv, Dk, Dk, **f32)
+    summary = []
+    for i, p in enumerate(pieces):
+        s_zero = finals[sorted_pos[last_seg[i]]] if p["carry_out"] else zeros_s
+        m = M_of.get(sorted_pos[first_seg[i]], zeros_m) if through[i] else zeros_m
+        summary.append(torch.cat([s_zero, m], dim=-1))
+    n_local = len(ranges)
+    summary = torch.stack(summary).view(B, n_local, Hv, Dk, Dv + Dk).transpose(0, 1)  # [np, B, ...]
+    gathered = cp.all_gather(summary.contiguous())  # [size, np, B, Hv, Dk, Dv + Dk]
+
+    # 4. compose every local piece's incoming state (piece order; tiny [Dk, Dk] x [Dk, Dv] products)
+    owner = {gp: (rk, i) for rk in range(cp.size) for i, gp in enumerate(cp.pieces_of(rk))}
+    last_needed = max(lo // plen for lo, _ in ranges)
+    S_in = {}
+    for b in range(B):
+        row, S = b * T, None
+        for gp in range(1, last_needed + 1):
+            lo = gp * plen
+            if row + lo in cu_set:
+                S = None
+            else:
+                rk, i = owner[gp - 1]
+                prev = gathered[rk, i, b]
+                s_zero, m = prev[..., :Dv], prev[..., Dv:]
+                crossed = _through(cu_g, row, lo - plen, lo)
+                S = m @ S + s_zero if (crossed and S is not None) else s_zero
+            S_in[(b, gp)] = S
+
+    # 5. outputs, every piece's first segment from its true incoming state
+    S0 = [zeros_s] * n_docs
+    for i, p in enumerate(pieces):
+        s = S_in.get((p["row"], p["lo"] // plen))
+        if p["carry_in"] and s is not None:
+            S0[sorted_pos[first_seg[i]]] = s
+    out, _ = _scan(U, W, Kd, decay, steps, torch.stack(S0), Qd=Qd, P=P)
+    o = out.transpose(1, 2).reshape(-1, Hv, Dv).index_select(0, plan.slot_of_token)
+    return o.view(B, t, Hv, Dv).to(qkv_BTHG.dtype)

@@ -8,10 +8,11 @@ from __future__ import annotations
 from hyper_parallel.components import CheckpointManager, LRSchedulersContainer, MetricsProcessor, OptimizersContainer
 from hyper_parallel.config import ActivationCheckpointConfig, ParallelismConfig, TrainingConfig
 from hyper_parallel.data import TokenDataLoader
+from hyper_parallel.models.common.mtp import with_mtp
 from hyper_parallel.models.glm_image_moe_v2.model import glm_image_moe_config
 from hyper_parallel.trainer import Trainer
 
-__all__ = ["glm_image_moe_a3b", "glm_image_moe_a3b_ep8", "glm_image_moe_debug"]
+__all__ = ["glm_image_moe_a3b", "glm_image_moe_a3b_ep8", "glm_image_moe_debug", "glm_image_moe_mtp_debug"]
 
 
 def glm_image_moe_debug() -> Trainer.Config:
@@ -33,6 +34,14 @@ def glm_image_moe_debug() -> Trainer.Config:
         checkpoint=CheckpointManager.Config(enable=True, interval=50, keep_latest_k=2, export_hf=True, export_dtype="float32"),
         metrics=MetricsProcessor.Config(log_freq=10),
     )
+
+
+def glm_image_moe_mtp_debug() -> Trainer.Config:
+    """``glm_image_moe_debug`` with the GLM-4.7-Flash nextn (MTP) layer on, loss weight 0.1
+    (``--model.mtp.loss_weight``): the MTP head also predicts image codes two ahead."""
+    cfg = glm_image_moe_debug()
+    cfg.model = with_mtp(cfg.model, layer_index=-1, zero_embedding_at_document_start=True)
+    return cfg
 
 
 def glm_image_moe_a3b() -> Trainer.Config:

@@ -5,12 +5,12 @@
     logits       = lm_head(norm(layers(h)))                      # rows [0, V) text, [V, V + C) image codes
 
 One parameterised builder, ``glm_image_moe_config``, turns HF-style hyper-parameters into the config
-tree; ``GlmImageMoeModel.Config.from_hf`` / ``to_hf`` convert to and from the HF ``config.json``.
+tree; ``hf_config.py`` converts to and from the HF ``config.json``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -25,8 +25,10 @@ from hyper_parallel.models.common.feed_forward import FeedForward
 from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.mla import MLAttention
 from hyper_parallel.models.common.moe import GroupedExperts, MoE, Router
+from hyper_parallel.models.common.mtp import mtp_config_like, with_mtp
 from hyper_parallel.models.common.rmsnorm import RMSNorm
 from hyper_parallel.models.common.rope import RoPE
+from hyper_parallel.protocols.model import ModelOutput
 from hyper_parallel.protocols.param_init import NormalInit
 
 __all__ = ["GlmImageMoeModel", "glm_image_moe_config"]
@@ -37,7 +39,7 @@ MlpLayerType = Literal["dense", "sparse"]
 class GlmImageMoeModel(Decoder):
     """Text + VQ-image autoregressive LM over ``lang_vocab_size + codebook_size`` output rows."""
 
-    input_keys: ClassVar[tuple[str, ...]] = ("visual_indices", "vq_codes")
+    input_keys: ClassVar[tuple[str, ...]] = ("visual_indices", "vq_codes", "mtp_visual_indices", "mtp_vq_codes")
 
     @dataclass(kw_only=True, slots=True)
     class Config(Decoder.Config):
@@ -71,15 +73,6 @@ class GlmImageMoeModel(Decoder):
                     f"[0, vocab_size={self.vocab_size}): choose a reserved text token"
                 )
 
-        @classmethod
-        def from_hf(cls, hf: dict[str, Any]) -> GlmImageMoeModel.Config:
-            """From an HF ``config.json`` dict: GlmImageMoe (``text_config`` + ``vq_config``) or plain Glm4MoeLite."""
-            return _config_from_hf(hf)
-
-        def to_hf(self, *, text_only: bool = False) -> dict[str, Any]:
-            """The HF ``config.json`` dict (GlmImageMoe, or plain Glm4MoeLite with ``text_only``)."""
-            return _config_to_hf(self, text_only=text_only)
-
         @property
         def output_size(self) -> int:
             """Rows of the joint head: ``vocab_size + codebook_size``."""
@@ -99,15 +92,19 @@ class GlmImageMoeModel(Decoder):
 
     @classmethod
     def split_inputs_for_cp(cls, inputs: Mapping[str, Any], *, lo: int, hi: int, seqlen: int) -> dict[str, Any]:
-        """Keep the image positions in tokens ``[lo, hi)`` of each row, renumbered into the local stream."""
+        """Keep the image positions in tokens ``[lo, hi)`` of each row, renumbered into the local stream; and,
+        for multi-token prediction, the images one token AFTER the chunk's positions (``mtp_visual_indices``
+        / ``mtp_vq_codes``: the next token of the chunk's last position lives on the next rank)."""
         out = dict(inputs)
-        flat = inputs.get("visual_indices")
+        flat, codes = inputs.get("visual_indices"), inputs.get("vq_codes")
         if flat is not None:
             row, col = flat // seqlen, flat % seqlen
             keep = (col >= lo) & (col < hi)
             out["visual_indices"] = row[keep] * (hi - lo) + (col[keep] - lo)
-            if inputs.get("vq_codes") is not None:
-                out["vq_codes"] = inputs["vq_codes"][keep]
+            if codes is not None:
+                out["vq_codes"] = codes[keep]
+                mtp_pair = next_token_images(flat, codes, lo=lo, hi=hi, seqlen=seqlen)
+                out["mtp_visual_indices"], out["mtp_vq_codes"] = mtp_pair
         return out
 
     def embed(
@@ -159,6 +156,12 @@ class GlmImageMoeModel(Decoder):
                 f"visual_indices ({visual_indices.numel()}) must be the flat positions of the {n_codes} "
                 "placeholder tokens, in increasing order, each once"
             )
+        img_ND = self.image_embeddings(vq_codes).to(h_BTD.dtype)
+        return h_BTD.reshape(B * T, D).index_put((visual_indices,), img_ND).view(B, T, D)
+
+    def image_embeddings(self, vq_codes: torch.Tensor) -> torch.Tensor:
+        """``[N]`` codes -> ``[N, dim]``: ``vq_to_llm_proj`` of the (L2-normalised) frozen codebook rows."""
+        c = self.config
         codebook = self.vq_codebook.weight
         if c.freeze_vq:
             codebook = codebook.detach()
@@ -166,8 +169,39 @@ class GlmImageMoeModel(Decoder):
         if c.vq_l2_normalize:
             vec_ND = F.normalize(vec_ND.float(), dim=-1).to(vec_ND.dtype)
         # the projection may compute in bf16 (FSDP mixed precision) while the frozen codebook stays fp32
-        img_ND = self.vq_to_llm_proj(vec_ND.to(self.vq_to_llm_proj.weight.dtype)).to(h_BTD.dtype)
-        return h_BTD.reshape(B * T, D).index_put((visual_indices,), img_ND).view(B, T, D)
+        return self.vq_to_llm_proj(vec_ND.to(self.vq_to_llm_proj.weight.dtype))
+
+    def embed_next_tokens_with_images(
+        self,
+        mtp_input_ids: torch.Tensor,
+        *,
+        input_ids: torch.Tensor,
+        visual_indices: torch.Tensor | None,
+        vq_codes: torch.Tensor | None,
+        mtp_visual_indices: torch.Tensor | None,
+        mtp_vq_codes: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """MTP input: the embedding of every position's next token, an image code's projected codebook vector
+        where the next token is an image token (exactly the vector the trunk embeds there), zeros where the
+        document has no next token. ``mtp_visual_indices`` / ``mtp_vq_codes`` come from the context-parallel
+        split; without it they are derived from this batch's own image positions."""
+        e_BTD = self.embed_next_tokens(mtp_input_ids)
+        if mtp_visual_indices is None:
+            if vq_codes is None or vq_codes.numel() == 0:
+                return e_BTD
+            if visual_indices is None:
+                visual_indices = (input_ids.reshape(-1) == self.config.placeholder_token_id).nonzero().squeeze(-1)
+            T = input_ids.shape[-1]
+            mtp_visual_indices, mtp_vq_codes = next_token_images(
+                visual_indices.reshape(-1), vq_codes.reshape(-1), lo=0, hi=T, seqlen=T
+            )
+        B, T, D = e_BTD.shape
+        # an image token that starts a document is nobody's next token: that position holds no next id
+        keep = mtp_input_ids.reshape(-1)[mtp_visual_indices] >= 0
+        idx, codes = mtp_visual_indices[keep], mtp_vq_codes[keep]
+        if idx.numel() == 0:
+            return e_BTD
+        return e_BTD.reshape(B * T, D).index_put((idx,), self.image_embeddings(codes).to(e_BTD.dtype)).view(B, T, D)
 
     def forward(
         self,
@@ -179,11 +213,29 @@ class GlmImageMoeModel(Decoder):
         cu_seqlens_host: Sequence[int] | None = None,
         visual_indices: torch.Tensor | None = None,
         vq_codes: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``[B, T]`` ids (+ image codes) -> logits ``[B, T, vocab_size + codebook_size]``."""
+        mtp_input_ids: torch.Tensor | None = None,
+        mtp_visual_indices: torch.Tensor | None = None,
+        mtp_vq_codes: torch.Tensor | None = None,
+    ) -> torch.Tensor | ModelOutput:
+        """``[B, T]`` ids (+ image codes) -> logits ``[B, T, vocab_size + codebook_size]``.
+
+        With an MTP block and ``mtp_input_ids``: ``ModelOutput(logits, aux_loss, mtp_logits)``, the MTP head
+        predicting token ``t + 2`` over the same joint text + image-code vocabulary (``Decoder``).
+        """
         h = self.embed(input_ids, visual_indices=visual_indices, vq_codes=vq_codes)
+        mtp_embeds = None
+        if self.mtp_active(mtp_input_ids):
+            mtp_embeds = self.embed_next_tokens_with_images(
+                mtp_input_ids, input_ids=input_ids, visual_indices=visual_indices, vq_codes=vq_codes,
+                mtp_visual_indices=mtp_visual_indices, mtp_vq_codes=mtp_vq_codes,
+            )  # fmt: skip
         return self.forward_embedded(
-            h, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_host=cu_seqlens_host
+            h,
+            position_ids=position_ids,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            cu_seqlens_host=cu_seqlens_host,
+            mtp_embeds=mtp_embeds,
         )
 
     def get_nparams_and_flops(self, seq_len: int) -> tuple[int, float]:
@@ -195,6 +247,37 @@ class GlmImageMoeModel(Decoder):
         """Backbone + head parameters a token uses (the image-path codebook and projection excluded)."""
         image_path = self.vq_codebook.weight.numel() + sum(p.numel() for p in self.vq_to_llm_proj.parameters())
         return Decoder.active_params(self) - image_path
+
+
+def nextn_reader(
+    read: Callable[[Mapping[str, Any]], GlmImageMoeModel.Config],
+) -> Callable[[Mapping[str, Any]], GlmImageMoeModel.Config]:
+    """An HF config reader that also turns the MTP block on: the GLM-4.7-Flash nextn layer, with the
+    checkpoint's ``num_nextn_predict_layers`` (``from_pretrained(path, mtp=True)``)."""
+
+    def reader(hf: Mapping[str, Any]) -> GlmImageMoeModel.Config:
+        count = (hf.get("text_config") or hf).get("num_nextn_predict_layers", 0)
+        if not count:
+            raise ValueError(
+                "mtp=True but config.json has no num_nextn_predict_layers (the checkpoint ships no nextn layer): "
+                "load without mtp, or start a fresh block with models.common.mtp.with_mtp"
+            )
+        if count != 1:
+            raise NotImplementedError(f"config.json num_nextn_predict_layers={count}: only 1 is implemented")
+        # vLLM glm4_moe_lite_mtp.py: the nextn layer is an MoE layer like the last ones; position 0 zeroed
+        return with_mtp(read(hf), layer_index=-1, zero_embedding_at_document_start=True)
+
+    return reader
+
+
+def next_token_images(
+    visual_indices: torch.Tensor, vq_codes: torch.Tensor, *, lo: int, hi: int, seqlen: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For positions ``[lo, hi)`` of every row of a ``[B, seqlen]`` batch: the local flat positions whose NEXT
+    token is an image token, and that token's code (``visual_indices`` are flat over the whole batch)."""
+    row, col = visual_indices // seqlen, visual_indices % seqlen
+    keep = (col > lo) & (col <= hi)
+    return row[keep] * (hi - lo) + (col[keep] - 1 - lo), vq_codes[keep]
 
 
 def glm_image_moe_config(
@@ -235,11 +318,15 @@ def glm_image_moe_config(
     vq_proj_bias: bool = False,
     grouped_mm_impl: str = "auto",
     hf_extra: dict[str, Any] | None = None,
+    num_nextn_predict_layers: int = 0,
+    mtp_loss_weight: float = 0.1,
 ) -> GlmImageMoeModel.Config:
     """The one flavor builder: HF Glm4MoeLite/GlmImage hyper-parameters -> the config tree.
 
     ``mlp_layer_types`` decides dense vs MoE per layer (HF ignores ``first_k_dense_replace``);
-    default ``["dense"] + ["sparse"] * (L - 1)``.
+    default ``["dense"] + ["sparse"] * (L - 1)``. ``num_nextn_predict_layers`` (GLM-4.7-Flash: 1; 0 = off)
+    adds the MTP block: the nextn layer at index ``num_hidden_layers`` (MLA + MoE, vLLM
+    ``glm4_moe_lite_mtp.py``), trained with weight ``mtp_loss_weight``.
     """
     layer_types = list(mlp_layer_types) if mlp_layer_types is not None else ["dense"] + ["sparse"] * (num_hidden_layers - 1)
     if len(layer_types) != num_hidden_layers or set(layer_types) - {"dense", "sparse"}:
@@ -304,10 +391,26 @@ def glm_image_moe_config(
         )
         for kind in layer_types
     ]
+    mtp = None
+    if num_nextn_predict_layers:
+        if num_nextn_predict_layers != 1:
+            raise NotImplementedError(f"num_nextn_predict_layers={num_nextn_predict_layers}: only 1 is implemented")
+        # vLLM builds the nextn layer as layer num_hidden_layers: sparse (past first_k_dense_replace)
+        nextn = TransformerBlock.Config(
+            self_attn=attention(),
+            mlp=mlp("sparse" if "sparse" in layer_types else "dense"),
+            input_layernorm=RMSNorm.Config(eps=rms_norm_eps),
+            post_attention_layernorm=RMSNorm.Config(eps=rms_norm_eps),
+        )
+        mtp = mtp_config_like(
+            nextn, norm=RMSNorm.Config(eps=rms_norm_eps), fc=linear(), zero_embedding_at_document_start=True,
+            loss_weight=mtp_loss_weight,
+        )  # fmt: skip
     return GlmImageMoeModel.Config(
         vocab_size=vocab_size,
         dim=hidden_size,
         layers=layers,
+        mtp=mtp,
         embed_tokens=Embedding.Config(padding_idx=pad_token_id, param_init=NormalInit.Config(std=initializer_range)),
         norm=RMSNorm.Config(eps=rms_norm_eps),
         lm_head=linear(),
@@ -323,134 +426,3 @@ def glm_image_moe_config(
         max_position_embeddings=max_position_embeddings,
         hf_extra=dict(hf_extra or {}),
     )
-
-
-# ---- HF config.json <-> Config ---------------------------------------------------------------
-
-_LITE_KEYS = (
-    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "n_routed_experts", "num_experts_per_tok", "q_lora_rank", "kv_lora_rank",
-    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_shared_experts", "n_group", "topk_group",
-    "routed_scaling_factor", "norm_topk_prob", "mlp_layer_types", "rms_norm_eps", "attention_bias",
-    "initializer_range", "pad_token_id", "max_position_embeddings", "rope_interleave",
-)  # fmt: skip
-
-
-def _rope_theta(text: dict[str, Any]) -> float:
-    params = text.get("rope_parameters") or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type != "default":
-        raise NotImplementedError(
-            f"rope_parameters.rope_type={rope_type!r} is not wired into glm_image_moe_config yet; "
-            "only 'default' RoPE checkpoints load"
-        )
-    return float(params.get("rope_theta", text.get("rope_theta", 10000.0)))
-
-
-def _config_from_hf(hf: dict[str, Any]) -> GlmImageMoeModel.Config:
-    model_type = hf.get("model_type")
-    if model_type == "glm_image_moe":
-        text, vq = dict(hf["text_config"]), dict(hf["vq_config"])
-        lang_vocab = int(hf.get("lang_vocab_size", text["vocab_size"]))
-        extras = {
-            "placeholder_token_id": hf["placeholder_token_id"],
-            "image_start_token_id": hf.get("image_start_token_id"),
-            "image_end_token_id": hf.get("image_end_token_id"),
-            "codebook_size": vq["num_embeddings"],
-            "vq_embed_dim": vq["embed_dim"],
-            "vq_l2_normalize": hf.get("vq_l2_normalize", True),
-            "freeze_vq": hf.get("freeze_vq", True),
-            "vq_proj_bias": hf.get("vq_to_llm_proj_bias", False),
-        }
-        hf_extra = {"text_config": _rest(text), "vq_config": _rest(vq, keep=("num_embeddings", "embed_dim"))}
-    elif model_type == "glm4_moe_lite":
-        text, lang_vocab = dict(hf), int(hf["vocab_size"])
-        # A text-only checkpoint has no image part: take GlmImage's defaults; override in the recipe.
-        extras = {
-            "placeholder_token_id": hf.get("placeholder_token_id", lang_vocab - 1),
-            "codebook_size": 16384,
-            "vq_embed_dim": 2048,
-        }
-        hf_extra = {"text_config": _rest(text)}
-    else:
-        raise ValueError(f"config.json model_type={model_type!r}: expected 'glm_image_moe' or 'glm4_moe_lite'")
-    kwargs = {k: text[k] for k in _LITE_KEYS if k in text}
-    kwargs["vocab_size"] = lang_vocab
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads") if k not in kwargs]
-    if missing:
-        raise ValueError(f"config.json is missing {missing} (in text_config for glm_image_moe)")
-    return glm_image_moe_config(**_lite_defaults(kwargs), rope_theta=_rope_theta(text), **extras, hf_extra=hf_extra)
-
-
-def _lite_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
-    # HF Glm4MoeLiteConfig defaults for fields a config.json may omit.
-    defaults = dict(
-        intermediate_size=10240, moe_intermediate_size=1536, n_routed_experts=64, num_experts_per_tok=4,
-        q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
-    )  # fmt: skip
-    return {**defaults, **kwargs}
-
-
-def _rest(d: dict[str, Any], keep: Sequence[str] = ()) -> dict[str, Any]:
-    skip = set(_LITE_KEYS) | {"rope_parameters", "rope_theta", "model_type", "architectures"} | set(keep)
-    return {k: v for k, v in d.items() if k not in skip and not k.startswith("_")}
-
-
-def _config_to_hf(cfg: GlmImageMoeModel.Config, *, text_only: bool) -> dict[str, Any]:
-    first = cfg.layers[0].self_attn
-    moe = next((layer.mlp for layer in cfg.layers if isinstance(layer.mlp, MoE.Config)), None)
-    dense = next((layer.mlp for layer in cfg.layers if isinstance(layer.mlp, FeedForward.Config)), None)
-    shared = moe.shared_experts if moe is not None else None
-    moe_hidden = moe.experts.hidden_dim if moe is not None else 0
-    text = {
-        **cfg.hf_extra.get("text_config", {}),
-        "model_type": "glm4_moe_lite",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "intermediate_size": dense.hidden_dim if dense is not None else 4 * cfg.dim,
-        "moe_intermediate_size": moe_hidden,
-        "num_hidden_layers": len(cfg.layers),
-        "num_attention_heads": first.n_heads,
-        "num_key_value_heads": first.n_heads,
-        "q_lora_rank": first.q_lora_rank,
-        "kv_lora_rank": first.kv_lora_rank,
-        "qk_nope_head_dim": first.qk_nope_head_dim,
-        "qk_rope_head_dim": first.qk_rope_head_dim,
-        "v_head_dim": first.v_head_dim,
-        "n_routed_experts": moe.num_experts if moe is not None else 0,
-        "n_shared_experts": (shared.hidden_dim // moe_hidden) if shared is not None and moe_hidden else 0,
-        "num_experts_per_tok": moe.gate.top_k if moe is not None else 0,
-        "n_group": moe.gate.n_group if moe is not None else 1,
-        "topk_group": moe.gate.topk_group if moe is not None else 1,
-        "routed_scaling_factor": moe.gate.route_scale if moe is not None else 1.0,
-        "norm_topk_prob": moe.gate.norm_topk_prob if moe is not None else True,
-        "mlp_layer_types": ["sparse" if isinstance(layer.mlp, MoE.Config) else "dense" for layer in cfg.layers],
-        "rms_norm_eps": cfg.norm.eps,
-        "attention_bias": bool(first.kv_a_proj_with_mqa.bias),
-        "rope_parameters": {"rope_type": "default", "rope_theta": first.rope.theta},
-        "rope_interleave": first.rope.layout == "interleaved",
-        "pad_token_id": cfg.embed_tokens.padding_idx,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": False,
-    }
-    if text_only:
-        return {**text, "architectures": ["Glm4MoeLiteForCausalLM"]}
-    return {
-        "model_type": "glm_image_moe",
-        "architectures": ["GlmImageMoeForConditionalGeneration"],
-        "text_config": text,
-        "vq_config": {
-            **cfg.hf_extra.get("vq_config", {}),
-            "model_type": "glm_image_vqmodel",
-            "num_embeddings": cfg.codebook_size,
-            "embed_dim": cfg.vq_embed_dim,
-        },
-        "lang_vocab_size": cfg.vocab_size,
-        "placeholder_token_id": cfg.placeholder_token_id,
-        "image_start_token_id": cfg.image_start_token_id,
-        "image_end_token_id": cfg.image_end_token_id,
-        "vq_l2_normalize": cfg.vq_l2_normalize,
-        "freeze_vq": cfg.freeze_vq,
-        "vq_to_llm_proj_bias": cfg.vq_to_llm_proj.bias,
-        "tie_word_embeddings": False,
-    }

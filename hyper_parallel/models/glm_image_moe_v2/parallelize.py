@@ -52,7 +52,7 @@ def parallelize_glm_image_moe(
         parallelism=parallelism,
         ac_config=ac_config,
         compile_config=compile_config,
-        layers=model.layers,
+        layers=model.all_layers(),  # the decoder layers and the MTP block's
         embeddings=[model.embed_tokens],
         head=[model.lm_head],
         ignored_params=ignored,

@@ -47,6 +47,12 @@ def qwen3_5_moe_a3b() -> Trainer.Config:
     attention), 16 q / 2 kv heads of 256, rotary 0.25 with mrope (11, 11, 10), DeltaNet Hk 16 / Hv 32 of
     128, conv 4, 256 experts top-8 of 512, shared expert 512, vocab 248320, untied head. ``rope_theta`` 1e7
     is the released value reported by third parties (HF's default is 1e4): always load the checkpoint's.
+
+    Sized for one node of 8 x 80 GiB with 10% headroom (dry run): FSDP's fp32 parameter and gradient shards
+    and AdamW's two moments take 64.6 GiB per rank, so every 8192-token sequence is split over 2 ranks
+    (context parallel 2: Ulysses over the 2 K/V heads and 16 DeltaNet key heads), every layer is recomputed in
+    backward, and gradients are reduce-scattered in bf16 (the fp32 reduce buffer of one layer's 256 experts
+    alone is 3.1 GiB). Without these it peaks at 216 GiB (no recomputation) or 74.8 GiB (recomputation only).
     """
     model = qwen3_5_moe_config(
         vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
@@ -55,7 +61,11 @@ def qwen3_5_moe_a3b() -> Trainer.Config:
         moe_intermediate_size=512, shared_expert_intermediate_size=512, rope_theta=1e7, partial_rotary_factor=0.25,
         mrope_section=(11, 11, 10), rms_norm_eps=1e-6, max_position_embeddings=262144,
     )  # fmt: skip
-    return qwen3_5_text_trainer("qwen3_5_moe", model, debug=False)
+    cfg = qwen3_5_text_trainer("qwen3_5_moe", model, debug=False)
+    cfg.parallelism.context_parallel_degree = 2
+    cfg.activation_checkpoint.mode = "full"
+    cfg.training.mixed_precision_reduce = "bfloat16"
+    return cfg
 
 
 def qwen3_5_moe_a3b_ep8() -> Trainer.Config:

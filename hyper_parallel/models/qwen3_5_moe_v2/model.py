@@ -3,7 +3,7 @@ in every layer (softmax top-k router, always renormalised; shared expert scaled 
 ``sigmoid(shared_expert_gate(x))``; optional Switch aux loss, ``router_aux_loss_coef``).
 
 The math, the config builder and the HF config conversion are the Qwen3.5 family's
-(``hyper_parallel.models.qwen3_5_v2.model``); this module fixes the MoE flavour.
+(``qwen3_5_v2.model`` / ``qwen3_5_v2.hf_config``); this module fixes the MoE flavour.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hyper_parallel.models.qwen3_5_v2.model import Qwen3_5Model, Qwen3_5TransformerBlock, config_from_hf, qwen3_5_config
+from hyper_parallel.models.qwen3_5_v2.model import Qwen3_5Model, Qwen3_5TransformerBlock, qwen3_5_config
 
 __all__ = ["Qwen3_5MoeModel", "Qwen3_5MoeTransformerBlock", "qwen3_5_moe_config"]
 
@@ -29,15 +29,7 @@ class Qwen3_5MoeModel(Qwen3_5Model):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Qwen3_5Model.Config):
-        @classmethod
-        def from_hf(cls, hf: dict[str, Any]) -> Qwen3_5MoeModel.Config:
-            """From an HF ``config.json`` dict (``qwen3_5_moe_text``, or ``qwen3_5_moe`` with ``text_config``)."""
-            if "moe" not in str(hf.get("model_type")):
-                raise ValueError(
-                    f"config.json model_type={hf.get('model_type')!r} is not a Qwen3.5-MoE config: use the qwen3_5 "
-                    "package for dense Qwen3.5 checkpoints"
-                )
-            return config_from_hf(cls, hf, block_cls=Qwen3_5MoeTransformerBlock)
+        pass
 
 
 def qwen3_5_moe_config(

@@ -27,19 +27,20 @@ _P = "--parallelism."
 def validate_qwen3_5_layout(config: Qwen3_5Model.Config, parallel_dims: ParallelDims) -> None:
     """Check the layout against the model; ``ConfigError`` names the degree (or field) to change.
 
-    TP and Ulysses CP split heads: they must divide the gated attention's query and key/value heads and
-    Gated DeltaNet's key (Hk) and value (Hv) heads (TP shards the DeltaNet projections by heads; Ulysses CP
-    splits the rank's DeltaNet heads again around ``delta_rule``).
+    TP splits heads: it must divide the gated attention's query and key/value heads and Gated DeltaNet's key
+    (Hk) and value (Hv) heads (TP shards the DeltaNet projections by heads). Context parallel takes any degree
+    that divides the world: Ulysses splits the rank's heads again where they divide; beyond that, attention
+    gathers K/V and Gated DeltaNet passes its recurrent state between sequence pieces
+    (``context_parallel.apply_context_parallel``).
     """
     attn = next((layer.self_attn for layer in config.layers if isinstance(layer.self_attn, GatedAttention.Config)), None)
     gdn = next((layer.self_attn for layer in config.layers if isinstance(layer.self_attn, GatedDeltaNet.Config)), None)
     if gdn is not None:
         for name, value in (("linear_num_key_heads", gdn.num_k_heads), ("linear_num_value_heads", gdn.num_v_heads)):
-            if value % (parallel_dims.tp * parallel_dims.cp):
+            if value % parallel_dims.tp:
                 raise ConfigError(
-                    f"tensor_parallel_degree ({parallel_dims.tp}) x context_parallel_degree ({parallel_dims.cp}) "
-                    f"does not divide the Gated DeltaNet {name} ({value}): set {_P}tensor_parallel_degree and "
-                    f"{_P}context_parallel_degree so their product divides {value}"
+                    f"tensor_parallel_degree ({parallel_dims.tp}) does not divide the Gated DeltaNet {name} "
+                    f"({value}): set {_P}tensor_parallel_degree to a divisor of {value}"
                 )
     parallel_dims.validate_model(
         n_heads=attn.n_heads if attn is not None else 1,
@@ -77,7 +78,7 @@ def parallelize_qwen3_5(
         parallelism=parallelism,
         ac_config=ac_config,
         compile_config=compile_config,
-        layers=model.layers,
+        layers=model.all_layers(),  # the decoder layers and the MTP block's
         embeddings=[model.embed_tokens],
         head=[model.lm_head],
     )

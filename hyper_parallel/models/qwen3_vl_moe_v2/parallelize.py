@@ -72,7 +72,7 @@ def parallelize_qwen3_vl_moe(
         parallelism=parallelism,
         ac_config=ac_config,
         compile_config=compile_config,
-        layers=[*vision_layers, *model.layers],
+        layers=[*vision_layers, *model.all_layers()],  # with the MTP block's layers
         embeddings=[model.embed_tokens, *vision_units],
         head=[model.lm_head],
         ignored_params=list(visual.parameters()) if frozen else [],

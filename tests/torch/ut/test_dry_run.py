@@ -222,10 +222,12 @@ def test_a3b_on_64_ranks_sizes_every_shard_exactly():
 
 
 def test_a3b_invalid_layout_fails_before_anything_is_built():
-    """Full-size recipe, meta only: FSDP 2 x TP 4 x CP 2 leaves 5 heads per TP rank, which CP 2 cannot split."""
+    """Full-size recipe, meta only: TP 8 does not divide the 20 heads (context parallel would not need to:
+    beyond the heads per TP rank it gathers K/V)."""
     argv = ["--module", "glm_image_moe", "--config", "glm_image_moe_a3b", "--world_size", "16",
-            "--parallelism.tensor_parallel_degree", "4", "--parallelism.context_parallel_degree", "2"]  # fmt: skip
-    with pytest.raises(ConfigError, match=re.escape("n_heads=20 / tp 4 = 5")):
+            "--parallelism.tensor_parallel_degree", "8", "--parallelism.context_parallel_degree", "2"]  # fmt: skip
+    message = "tensor_parallel_degree (8) does not divide the model's n_heads (20)"
+    with pytest.raises(ConfigError, match=re.escape(message)):
         main(argv)
 
 
