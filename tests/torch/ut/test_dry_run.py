@@ -191,7 +191,7 @@ def test_layer_scaled_step_equals_full_depth(monkeypatch):
         (8, {"tp": 3}),  # the degrees do not divide the world size
         (8, {"ep": 3}),  # ep does not divide dp_shard x cp
         (8, {"tp": 8}),  # tp does not divide the 4 heads
-        (8, {"tp": 2, "cp": 4}),  # Ulysses CP cannot split the 2 heads per TP rank 4 ways
+        (8, {"tp": 2, "ep": 2}),  # expert parallel combined with tensor parallel is rejected
         (16, {"ep": 16}),  # ep does not divide the 8 routed experts
     ],
 )
