@@ -255,8 +255,8 @@ class Trainer(Configurable):
         """Every rank reads only the slices of the HF folder that its own shards cover (in parallel; no
         rank holds the whole model) and converts them per tensor (``hf_io.load_checked``).
 
-        A folder that does not fill every parameter (a plain Glm4MoeLite checkpoint for GlmImageMoe's image
-        parts, no MTP weights) gets the seeded random init first, identical across layouts. Keys the model
+        A folder that does not fill every parameter (a text-only checkpoint for a model's image parts, no
+        MTP weights) gets the seeded random init first, identical across layouts. Keys the model
         does not hold (``hf_passthrough``: e.g. a VQ decoder, a vision tower, MTP layers) stay as lazy
         references to the folder's files, read again by the export. A big folder can take long to read on
         a slow file system, so this phase runs under its own ``--comm.hf_load_timeout_seconds``, then the

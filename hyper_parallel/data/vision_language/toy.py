@@ -25,7 +25,7 @@ from PIL import Image, ImageDraw
 
 from hyper_parallel.data.cache import cached_build, spec_digest
 from hyper_parallel.data.vision_language.sample import VisionLanguageEncoder
-from hyper_parallel.data.vision_language.toy_video import toy_video_sample
+from hyper_parallel.data.vision_language.toy_video import paint_shape, toy_video_sample
 from hyper_parallel.data.vision_language.writer import VisionLanguageWriter, encode_image
 
 __all__ = [
@@ -86,17 +86,7 @@ def draw_shape(rng: np.random.Generator, min_size: int, max_size: int) -> tuple[
     side = min(width, height)
     r = float(rng.uniform(0.25, 0.45)) * side
     cx, cy = float(rng.uniform(r, width - r)), float(rng.uniform(r, height - r))
-    colour = COLOURS[names[fg]]
-    if shape == "circle":
-        draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=colour)
-    elif shape == "square":
-        draw.rectangle((cx - r, cy - r, cx + r, cy + r), fill=colour)
-    elif shape == "triangle":
-        draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=colour)
-    else:
-        a = r / 3
-        draw.rectangle((cx - r, cy - a, cx + r, cy + a), fill=colour)
-        draw.rectangle((cx - a, cy - r, cx + a, cy + r), fill=colour)
+    paint_shape(draw, shape, cx, cy, r, COLOURS[names[fg]])
     return image, f"{_a(names[fg])} {shape} on {_a(names[bg])} background"
 
 

@@ -17,12 +17,13 @@ from PIL import Image, ImageDraw
 
 from hyper_parallel.data.vision_language.video import encode_video
 
-__all__ = ["DIRECTIONS", "draw_moving_shape", "toy_video_sample"]
+__all__ = ["DIRECTIONS", "draw_moving_shape", "paint_shape", "toy_video_sample"]
 
 DIRECTIONS = {"right": (1, 0), "left": (-1, 0), "down": (0, 1), "up": (0, -1)}
 
 
-def _draw(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: float, colour: tuple[int, int, int]) -> None:
+def paint_shape(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: float, colour: tuple[int, int, int]) -> None:
+    """Draw one toy shape (circle, square, triangle, else a cross) of radius ``r`` centred at ``(cx, cy)``."""
     if shape == "circle":
         draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=colour)
     elif shape == "square":
@@ -57,7 +58,7 @@ def draw_moving_shape(
     for i in range(t):
         image = Image.new("RGB", (width, height), colours[names[bg]])
         cx, cy = (along[i], across) if dx else (across, along[i])
-        _draw(ImageDraw.Draw(image), shape, float(cx), float(cy), r, colours[names[fg]])
+        paint_shape(ImageDraw.Draw(image), shape, float(cx), float(cy), r, colours[names[fg]])
         frames[i] = np.asarray(image)
     return frames, f"{_a(names[fg])} {shape} moves {direction} on {_a(names[bg])} background"
 
