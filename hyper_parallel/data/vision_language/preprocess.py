@@ -60,16 +60,26 @@ _RESAMPLE = {
 }
 
 
-class ImageError(ValueError):
-    """An image that cannot be preprocessed; the message names it. ``kind`` is one of ``IMAGE_ERROR_KINDS``."""
+class MediaError(ValueError):
+    """A media item (image, video) that cannot be used; the message names it and its ``kind``."""
+
+    noun: str = "media"
+    kinds: tuple[str, ...] = ()
 
     def __init__(self, name: str, kind: str, detail: str) -> None:
-        assert kind in IMAGE_ERROR_KINDS, kind
-        super().__init__(f"image {name!r}: {detail} [{kind}]")
+        assert kind in self.kinds, kind
+        super().__init__(f"{self.noun} {name!r}: {detail} [{kind}]")
         self.name, self.kind, self.detail = name, kind, detail
 
     def __reduce__(self):  # picklable across DataLoader workers
         return (type(self), (self.name, self.kind, self.detail))
+
+
+class ImageError(MediaError):
+    """An image that cannot be preprocessed; ``kind`` is one of ``IMAGE_ERROR_KINDS``."""
+
+    noun = "image"
+    kinds = IMAGE_ERROR_KINDS
 
 
 def smart_resize(height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int,

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from hyper_parallel.config.configurable import Configurable
+from hyper_parallel.data.vision_language.preprocess import MediaError
 
 __all__ = [
     "VIDEO_ERROR_KINDS",
@@ -87,16 +88,11 @@ over ``max_input_pixels``), ``aspect_ratio`` (over 200, HF's limit)."""
 MAX_ASPECT_RATIO = 200
 
 
-class VideoError(ValueError):
-    """A video that cannot be used; the message names it. ``kind`` is one of ``VIDEO_ERROR_KINDS``."""
+class VideoError(MediaError):
+    """A video that cannot be used; ``kind`` is one of ``VIDEO_ERROR_KINDS``."""
 
-    def __init__(self, name: str, kind: str, detail: str) -> None:
-        assert kind in VIDEO_ERROR_KINDS, kind
-        super().__init__(f"video {name!r}: {detail} [{kind}]")
-        self.name, self.kind, self.detail = name, kind, detail
-
-    def __reduce__(self):  # picklable across DataLoader workers
-        return (type(self), (self.name, self.kind, self.detail))
+    noun = "video"
+    kinds = VIDEO_ERROR_KINDS
 
 
 @dataclass(slots=True)
