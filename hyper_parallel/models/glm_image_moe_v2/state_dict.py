@@ -19,7 +19,10 @@ The GLM-4.7-Flash nextn (MTP) layer, index ``L = num_hidden_layers`` (either pre
   mtp.fc / mtp.norm                                  layers.L.eh_proj / layers.L.shared_head.norm
   mtp.layers.0.<...>                                 layers.L.<...> (experts per expert)
   (embed_tokens, lm_head: shared)                    layers.L.embed_tokens / shared_head.head: copies on export
-Without ``config.mtp`` (or beyond L) those keys are ignored on load.
+Without ``config.mtp`` every key of a layer ``>= L`` is kept as passthrough (a lazy reference to the folder's
+file) and written back unchanged, under the export format's prefix (a nextn layer read from a Glm4MoeLite
+folder moves to ``model.language_model.`` in a GlmImageMoe export, and back in a ``text_only`` one), so a
+later run with MTP on loads it into the block. With ``config.mtp`` the layers beyond L are ignored.
 """
 
 from __future__ import annotations
@@ -69,12 +72,14 @@ _NEXTN_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
 @dataclass
 class HFLoadResult(hf_io.HFLoadResult):
     """What ``from_hf_checked`` produced: ``source_format`` is ``glm_image_moe`` or ``glm4_moe_lite``
-    (whose head rows [V, V+C) are absent); ``passthrough`` holds the other ``model.vqmodel.*`` keys."""
+    (whose head rows [V, V+C) are absent); ``passthrough`` holds the other ``model.vqmodel.*`` keys and, with
+    MTP off, the nextn layer's keys."""
 
     partial_head: torch.Tensor | None = None
     """For a plain Glm4MoeLite checkpoint: its ``lm_head [V, H]`` (head rows [0, V))."""
     ignored: list[str] = field(default_factory=list)
-    """HF keys deliberately dropped (MTP layers)."""
+    """HF keys deliberately dropped, with MTP on: the nextn layer's copies of the shared embedding and head
+    (written again from the trained ones), layers beyond the nextn layer."""
 
 
 class GlmImageMoeStateDictAdapter(CheckedStateDictAdapter):
@@ -85,7 +90,7 @@ class GlmImageMoeStateDictAdapter(CheckedStateDictAdapter):
         self.num_layers = len(model_config.layers)
         self.lang_vocab_size = model_config.vocab_size
         self.has_mtp = getattr(model_config, "mtp", None) is not None
-        """The nextn layer (index ``num_layers`` on disk) maps to the ``mtp`` block; else it is ignored."""
+        """The nextn layer (index ``num_layers`` on disk) maps to the ``mtp`` block; else it passes through."""
 
     def _mtp_to_hf(self, key: str, t: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
         """An ``mtp.*`` key -> the nextn layer's HF key(s) under ``prefix`` (experts per expert)."""
@@ -140,6 +145,16 @@ class GlmImageMoeStateDictAdapter(CheckedStateDictAdapter):
                 out.update(self._shared_copies(key, t, "model."))
         return out
 
+    def kept_to_hf(self, key: str, *, text_only: bool) -> str | None:
+        """The export name of a passthrough key (None: not written): a layer key (the nextn layer kept with MTP
+        off) under the export format's prefix, whichever format it was read from; ``text_only`` drops the
+        image-path keys (``model.vqmodel.*``)."""
+        prefix = "model." if text_only else _LM
+        for read_prefix in (_LM, "model."):
+            if key.startswith(read_prefix + "layers."):
+                return prefix + key[len(read_prefix) :]
+        return None if text_only else key
+
     @staticmethod
     def _backbone_to_hf(key: str, t: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
         split = hf_io.split_experts(key, t, prefix)
@@ -149,7 +164,8 @@ class GlmImageMoeStateDictAdapter(CheckedStateDictAdapter):
     def from_hf_checked(
         self, hf_state_dict: dict[str, torch.Tensor], expected: dict[str, torch.Size] | None = None
     ) -> HFLoadResult:
-        """Either HF format; a plain Glm4MoeLite head goes to ``partial_head``, MTP layers to ``ignored``."""
+        """Either HF format; a plain Glm4MoeLite head goes to ``partial_head``; the nextn layer to the MTP block
+        (with ``config.mtp``) or to ``passthrough``."""
         is_image = any(k.startswith(_LM) for k in hf_state_dict)
         prefix = _LM if is_image else "model."
         result = HFLoadResult(state_dict={}, source_format="glm_image_moe" if is_image else "glm4_moe_lite")
@@ -173,8 +189,10 @@ class GlmImageMoeStateDictAdapter(CheckedStateDictAdapter):
                 m = _LAYER_RE.match(ours)
                 if m and int(m.group(1)) >= self.num_layers:
                     rest = ours[m.end() :]
-                    if not self.has_mtp or int(m.group(1)) > self.num_layers or rest in _NEXTN_SHARED:
-                        result.ignored.append(key)  # MTP off, or the nextn layer's copies of shared tensors
+                    if not self.has_mtp:  # kept (lazy) and written back, for a later run with MTP on
+                        result.passthrough[key] = t
+                    elif int(m.group(1)) > self.num_layers or rest in _NEXTN_SHARED:
+                        result.ignored.append(key)  # the nextn layer's copies of shared tensors
                     elif rest in _NEXTN_TO_OURS:
                         result.state_dict[_NEXTN_TO_OURS[rest]] = t
                     elif em := _NEXTN_EXPERT_RE.match(rest):
@@ -260,15 +278,12 @@ def save_hf_state_dict(
 ) -> list[str]:
     """Write ``state_dict`` (our keys, full tensors) + ``config.json`` as an HF folder."""
     adapter = GlmImageMoeStateDictAdapter(config)
-    kept = {} if text_only else dict(passthrough or {})
+    kept = {k: v for k, v in (passthrough or {}).items() if adapter.kept_to_hf(k, text_only=text_only) is not None}
 
     def convert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # per tensor (hf_io.save_converted)
         ours = {k: v for k, v in sd.items() if k not in kept}
-        hf = (
-            adapter.to_hf_text_only(ours)
-            if text_only
-            else adapter.to_hf(ours, passthrough={k: v for k, v in sd.items() if k in kept})
-        )
+        hf = adapter.to_hf_text_only(ours) if text_only else adapter.to_hf(ours)
+        hf.update({adapter.kept_to_hf(k, text_only=text_only): v for k, v in sd.items() if k in kept})
         if dtype is not None:
             # the router stays fp32 (HF keeps it fp32 too: _keep_in_fp32_modules_strict)
             hf = {k: v if k.endswith(("mlp.gate.weight", "e_score_correction_bias")) else v.to(dtype) for k, v in hf.items()}

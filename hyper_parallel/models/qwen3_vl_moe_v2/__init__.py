@@ -2,8 +2,9 @@
 
 Registers the ``qwen3_vl_moe`` spec (alias ``qwen3_vl_moe_v2``; data source ``vision_language``) and offers
 HF I/O: ``from_pretrained(path)`` reads a ``Qwen3VLMoeForConditionalGeneration`` or
-``Qwen3_5MoeForConditionalGeneration`` folder; ``save_pretrained(model, path)`` writes it back (the
-fused-expert layout it was read in).
+``Qwen3_5MoeForConditionalGeneration`` folder (``mtp=True``: the Qwen3.5-MoE MTP block on, its ``mtp.*`` keys
+loaded into it; without it they are kept and written back); ``save_pretrained(model, path)`` writes it back
+(the fused-expert layout it was read in; with MTP, ``text_config.mtp_num_hidden_layers``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from hyper_parallel.models.qwen3_5_v2.model import mtp_reader
 from hyper_parallel.models.qwen3_vl_moe_v2.model import (
     Qwen3VlMoeModel,
     qwen3_5_moe_vl_config,
@@ -46,11 +48,15 @@ def from_pretrained(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     experts_layout: ExpertsLayout | None = None,
+    mtp: bool | None = False,
     **config_overrides: Any,
 ) -> Qwen3VlMoeModel:
     """A ``Qwen3VlMoeModel`` from an HF ConditionalGeneration folder (every key and shape checked).
 
     ``experts_layout`` (Qwen3-VL-MoE fused experts): default from the folder's ``config.json``.
+    ``mtp=True``: the MTP block on, with the checkpoint's ``text_config.mtp_num_hidden_layers`` (an error names
+    the key when the folder has none, e.g. any Qwen3-VL-MoE one); its ``mtp.*`` weights load into it. Off
+    (``False`` / ``None``): they are kept as passthrough and written back unchanged.
     """
     return build_from_hf(
         Qwen3VlMoeModel,
@@ -59,7 +65,7 @@ def from_pretrained(
         dtype=dtype,
         device=device,
         config_overrides=config_overrides,
-        config_from_hf=config_from_hf,
+        config_from_hf=mtp_reader(config_from_hf) if mtp else config_from_hf,
         experts_layout=experts_layout,
     )
 

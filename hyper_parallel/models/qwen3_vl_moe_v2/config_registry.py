@@ -13,7 +13,10 @@ from hyper_parallel.data.vision_language.video import VideoProcessor
 from hyper_parallel.models.qwen3_vl_moe_v2.model import qwen3_5_moe_vl_config, qwen3_vl_moe_config
 from hyper_parallel.trainer import Trainer
 
-__all__ = ["qwen3_5_moe_vl_debug", "qwen3_vl_moe_a3b", "qwen3_vl_moe_a3b_ep8", "qwen3_vl_moe_debug", "qwen3_vl_moe_sft_debug"]
+__all__ = [
+    "qwen3_5_moe_vl_debug", "qwen3_5_moe_vl_mtp_debug", "qwen3_vl_moe_a3b", "qwen3_vl_moe_a3b_ep8",
+    "qwen3_vl_moe_debug", "qwen3_vl_moe_sft_debug",
+]  # fmt: skip
 
 # The toy VL corpus uses the 512-id toy tokenizer; image / vision-start / vision-end ids 512..514.
 _TOY_IDS = dict(image_token_id=512, vision_start_token_id=513, vision_end_token_id=514, video_token_id=515)
@@ -57,7 +60,7 @@ def qwen3_vl_moe_sft_debug() -> Trainer.Config:
     return cfg
 
 
-def qwen3_5_moe_vl_debug() -> Trainer.Config:
+def qwen3_5_moe_vl_debug(*, mtp_num_hidden_layers: int = 0) -> Trainer.Config:
     """Tiny Qwen3.5-MoE VL (3 DeltaNet + 1 gated-attention layer, tower without deepstack) on the toy VL corpus."""
     model = qwen3_5_moe_vl_config(
         vocab_size=520, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -65,8 +68,16 @@ def qwen3_5_moe_vl_debug() -> Trainer.Config:
         linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
         shared_expert_intermediate_size=48, rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=(2, 1, 1),
         router_aux_loss_coef=0.001, max_position_embeddings=4096, vision=dict(_TOY_VISION), **_TOY_IDS,
+        mtp_num_hidden_layers=mtp_num_hidden_layers,
     )  # fmt: skip
     return _debug_trainer(model, "qwen3_vl_moe")
+
+
+def qwen3_5_moe_vl_mtp_debug() -> Trainer.Config:
+    """``qwen3_5_moe_vl_debug`` with the MTP block on (``mtp.*``, loss weight 0.1; ``--model.mtp.loss_weight``):
+    the MTP input at a position before an image token is that token's visual feature; the HF export writes
+    ``text_config.mtp_num_hidden_layers``."""
+    return qwen3_5_moe_vl_debug(mtp_num_hidden_layers=1)
 
 
 def qwen3_vl_moe_a3b() -> Trainer.Config:

@@ -15,6 +15,10 @@ Text layers, per family:
   ``transformers_version`` that says so.
 - ``qwen3_5_moe``: the Qwen3.5 mapping (``qwen3_5_v2.state_dict``): ``linear_attn`` / ``shared_expert``
   names, per-expert keys (fused ones also read), per-expert keys written.
+
+MTP (``config.mtp``; vLLM ``qwen3_5_mtp.py`` reads ``mtp.*``, transformers ignores them): ``mtp.*`` at the top
+level map to the block (Qwen3.5 names; a Qwen3-VL-MoE block, which no release has, keeps our names), and the
+export writes ``text_config.mtp_num_hidden_layers``. Without ``config.mtp`` they are kept as passthrough.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ __all__ = [
 
 ExpertsLayout = Literal["hub", "memory"]
 _LM, _VIS = "model.language_model.", "model.visual."
-_PASSTHROUGH = ("mtp.",)
+_MTP = "mtp."
+_PASSTHROUGH = (_MTP,)
 _FUSED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 
 
@@ -94,7 +99,8 @@ class Qwen3VlMoeStateDictAdapter(BaseStateDictAdapter):
                 continue
             if key.endswith(_FUSED) and self.experts_layout == "hub":
                 t = t.transpose(1, 2).contiguous()
-            out[_LM + key] = t
+            # an MTP block (Qwen3-VL-MoE ships none: project-defined) sits at the top level, like Qwen3.5's mtp.*
+            out[key if key.startswith(_MTP) else _LM + key] = t
         return out
 
     # ---- HF -> ours -------------------------------------------------------------------------
@@ -130,8 +136,8 @@ class Qwen3VlMoeStateDictAdapter(BaseStateDictAdapter):
             for key, t in rest.items():
                 if key == "lm_head.weight":
                     ours[key] = t
-                elif key.startswith(_LM):
-                    name = key[len(_LM) :]
+                elif key.startswith((_LM, _MTP)):  # mtp.* reach here only when the model has an MTP block
+                    name = key[len(_LM) :] if key.startswith(_LM) else key
                     if name.endswith(_FUSED) and self.experts_layout == "hub":
                         t = t.transpose(1, 2)
                     ours[name] = t
@@ -380,7 +386,8 @@ def save_hf_state_dict(
     The written ``transformers_version`` says which fused-expert layout the folder holds (4.x: hub).
     """
     adapter = Qwen3VlMoeStateDictAdapter(config, experts_layout=experts_layout)
-    kept = dict(passthrough or {})
+    has_mtp = getattr(config, "mtp", None) is not None  # then the block's own weights are the mtp.* written
+    kept = {k: v for k, v in (passthrough or {}).items() if not (has_mtp and k.startswith(_MTP))}
 
     def convert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # per tensor (hf_io.save_converted)
         hf = adapter.to_hf({k: v for k, v in sd.items() if k not in kept}) | {k: v for k, v in sd.items() if k in kept}
@@ -392,6 +399,8 @@ def save_hf_state_dict(
     sources = {**state_dict, **kept}
     files = hf_io.save_converted(sources, convert, path, max_shard_size=parse_size(max_shard_size))
     hf_config = config_to_hf(config)
+    if getattr(config, "mtp", None) is not None:  # vLLM's Qwen3_5MultiTokenPredictor reads this count (text_config)
+        hf_config["text_config"]["mtp_num_hidden_layers"] = len(config.mtp.layers)
     dtype_name = str(dtype or next(iter(state_dict.values())).dtype).removeprefix("torch.")
     hf_config["dtype"] = dtype_name
     hf_config["text_config"]["dtype"] = dtype_name
