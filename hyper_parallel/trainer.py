@@ -151,11 +151,11 @@ class Trainer(Configurable):
                     f"{list(self.spec.data_sources)} (--data.source or data.sources[*].source)"
                 )
         self.dp_rank, self.dp_world = self._dp_coordinates()
-        # CP splits every row into equal chunks, and SP splits each chunk again over TP ranks. A model with no
-        # inputs beyond the generic contract may get the balanced CP order (2 pieces per rank, see
-        # context_parallel.apply_context_parallel): its rows are padded to 2 x cp.
+        # CP splits every row into equal chunks, and SP splits each chunk again over TP ranks. Any model may get
+        # the balanced CP order (2 pieces per rank, see context_parallel.apply_context_parallel): rows are padded
+        # to 2 x cp.
         pd = self.parallel_dims
-        cp_pieces = 2 if pd.cp > 1 and not self.spec.model.input_keys else 1
+        cp_pieces = 2 if pd.cp > 1 else 1
         self.data = config.data.build(
             dp_rank=self.dp_rank,
             dp_world_size=self.dp_world,
@@ -333,8 +333,8 @@ class Trainer(Configurable):
         cp_rank = pd.mesh_coordinate("cp") if pd.cp > 1 else 0
         shard = getattr(self.model, "cp_shard", None)  # the batch order context parallel chose
         cp_balanced = shard is not None and shard.balanced
-        # Context parallel: each CP rank keeps a contiguous chunk of every row (attention sees all); split on
-        # the host so only the chunk is copied to the device.
+        # Context parallel: each CP rank keeps its pieces of every row (one chunk, or two in the balanced order),
+        # the model's own inputs split to match; split on the host so only the pieces are copied to the device.
         # Multi-token prediction: the next ids and the targets two ahead, per document, on the host and before
         # the CP split (which slices them like the labels).
         mtp = self.mtp_config

@@ -13,7 +13,15 @@ class ParallelismConfig:
     data_parallel_shard_degree: int = -1
     """FSDP shard degree; -1 takes whatever the other degrees leave of the world size."""
     context_parallel_degree: int = 1
-    """Ulysses context parallel degree (all-to-all over attention heads)."""
+    """Context parallel degree: every row is split over this many ranks. Per sequence core, Ulysses (all-to-all
+    over heads) where its heads per TP rank divide by it, else K/V all-gather (attention) or recurrent state
+    passing (Gated DeltaNet), or the hybrid of `context_parallel_ulysses_degree`."""
+    context_parallel_ulysses_degree: int = 1
+    """Hybrid context parallel: Ulysses over groups of this many neighbouring CP ranks (inside a node), and
+    the K/V all-gather / DeltaNet state passing across the context_parallel_degree / this groups, for every
+    core whose heads per TP rank do not divide by context_parallel_degree. Must divide
+    context_parallel_degree and the heads per TP rank of those cores; 1 = no hybrid (those cores gather or
+    pass state over the whole CP group)."""
     tensor_parallel_degree: int = 1
     """Tensor parallel degree (attention heads, MLP columns, head vocab)."""
     expert_parallel_degree: int = 1

@@ -22,11 +22,31 @@ Beyond the head counts (``apply_context_parallel`` picks per core, and logs it):
 - Gated DeltaNet whose key heads per tensor-parallel rank do not divide passes its recurrent state between
   sequence pieces (``gated_delta_state``): an all-gather of piece summaries ``(M, S_zero)`` and of the conv
   window's last ``K-1`` input rows.
-- Either way the batch uses the balanced (zig-zag) order when the model's inputs allow it (a model with no
-  inputs beyond the generic batch contract): rank ``r`` holds pieces ``r`` and ``2cp-1-r`` of every row
-  (``CPShard``), so causal attention work is equal on every rank. Ulysses cores then put the gathered
-  sequence back into natural order around the core. The chosen order is ``model.cp_shard``; the batch
+- Either way the batch uses the balanced (zig-zag) order: rank ``r`` holds pieces ``r`` and ``2cp-1-r`` of
+  every row (``CPShard``; a model's own inputs are split piece by piece, ``split_inputs_for_cp``), so causal
+  attention work is equal on every rank. Ulysses cores then put the gathered sequence back into natural
+  order around the core. The chosen order is ``model.cp_shard``; the batch
   must be split with it (``split_batch_for_cp(..., balanced=model.cp_shard.balanced)``).
+
+Hybrid (``--parallelism.context_parallel_ulysses_degree u``, ``1 < u < cp``): ``cp = cp_outer x u``, the ``u``
+neighbouring CP ranks ``o*u .. o*u+u-1`` form inner group ``o`` (one node: fast links), the ranks ``u`` apart an
+outer group. A core whose heads per TP rank do not divide by ``cp`` (but by ``u``) runs Ulysses inside its inner
+group (``[B, H, t, d] -> [B, H/u, u*t, d]``), then the K/V all-gather / state passing over its outer group on
+the gathered pieces (``hybrid_allgather``, ``hybrid_state_passing``), then the inverse all-to-all. Cores whose
+heads divide by ``cp`` keep plain Ulysses over the whole group.
+
+Why the batch order needs no change, and the result is exact and balanced: cut a row into ``2 cp_outer`` big
+pieces of ``u`` pieces each (big piece ``P`` = pieces ``P*u .. P*u+u-1``). In the zig-zag order rank ``o*u+j``
+holds pieces ``o*u+j`` and ``2cp-1-o*u-j``, so inner group ``o`` holds pieces ``o*u .. o*u+u-1`` (big piece ``o``)
+and ``(2cp_outer-1-o)*u .. (2cp_outer-1-o)*u+u-1`` (big piece ``2cp_outer-1-o``): exactly the zig-zag pieces of
+outer rank ``o`` of ``cp_outer`` (contiguous order likewise: group ``o`` holds big piece ``o``). The all-to-all
+returns them rank-major (member ``j``'s two pieces, then member ``j+1``'s), and one ``index_select``
+(``CPShard.gather_index``) puts them in the outer rank's local order (big piece ``o`` in natural order, then
+big piece ``2cp_outer-1-o``); the core then runs with ``CPShard(rank=o, size=cp_outer)`` over the outer group,
+whose pieces, bottom-right causal blocks, document resets and piece-to-piece state are those of a plain
+``cp_outer``-way run. Causal work stays balanced: each outer rank holds a zig-zag pair, and its ``u`` members
+split that work by heads. The inner groups must be runs of consecutive CP ranks (``ParallelDims`` builds them
+so; ``apply_context_parallel`` checks it): ranks ``u`` apart hold no big piece.
 """
 
 from __future__ import annotations
@@ -49,6 +69,7 @@ __all__ = [
     "apply_context_parallel",
     "apply_ulysses_cp",
     "head_to_seq_all_to_all",
+    "plan_context_parallel",
     "seq_to_head_all_to_all",
     "split_batch_for_cp",
 ]
@@ -123,37 +144,40 @@ def all_gather_cp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return _AllGather.apply(x, group)
 
 
-class _NaturalOrder:
-    """Index tensors that put a rank-major gathered sequence (the Ulysses all-to-all's output under the
-    balanced order) into natural order and back, cached per local length and device."""
+class _Reorder:
+    """Index tensors that put the rank-major output of a Ulysses all-to-all into the order its core wants
+    (``index_fn(local_len, device)``) and back, cached per local length and device: natural order for a
+    Ulysses core under the balanced order, the outer shard's local order for a hybrid core."""
 
-    def __init__(self, shard: CPShard) -> None:
-        self.shard, self.cache = shard, {}
+    def __init__(self, index_fn: Callable[[int, torch.device], torch.Tensor]) -> None:
+        self.index_fn, self.cache = index_fn, {}
 
     def __call__(self, local_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         key = (local_len, str(device))
         if key not in self.cache:
-            nat = self.shard.natural_index(local_len, device)
-            self.cache[key] = (nat, torch.argsort(nat))
+            idx = self.index_fn(local_len, device)
+            self.cache[key] = (idx, torch.argsort(idx))
         return self.cache[key]
 
 
-def _pre_hook(group: dist.ProcessGroup, order: _NaturalOrder | None):
+def _pre_hook(group: dist.ProcessGroup, order: _Reorder | None, inject: CPShard | None = None):
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         q, k, v, *rest = args
         t = q.shape[2]
         q, k, v = (seq_to_head_all_to_all(x, group) for x in (q, k, v))
-        if order is not None:  # balanced order: the all-to-all returns rank-major pieces
+        if order is not None:  # the all-to-all returns rank-major pieces
             nat, _ = order(t, q.device)
             q, k, v = (x.index_select(2, nat) for x in (q, k, v))
+        if inject is not None:  # hybrid: the core gathers K/V over the outer group
+            kwargs = {**kwargs, "cp": inject}
         return (q, k, v, *rest), kwargs
 
     return hook
 
 
-def _post_hook(group: dist.ProcessGroup, order: _NaturalOrder | None):
+def _post_hook(group: dist.ProcessGroup, order: _Reorder | None):
     def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        if order is not None:  # natural -> rank-major before the all-to-all back
+        if order is not None:  # core order -> rank-major before the all-to-all back
             _, inv = order(output.shape[1] // dist.get_world_size(group), output.device)
             output = output.index_select(1, inv)
         return head_to_seq_all_to_all(output, group)
@@ -170,7 +194,9 @@ def _token_major_seq_to_head(x_BtH: torch.Tensor, group: dist.ProcessGroup) -> t
     return y_BHTd.transpose(1, 2).reshape(B, y_BHTd.shape[2], y_BHTd.shape[1], *rest)
 
 
-def _head_split_pre_hook(group: dist.ProcessGroup, n_inputs: int, order: _NaturalOrder | None):
+def _head_split_pre_hook(
+    group: dist.ProcessGroup, n_inputs: int, order: _Reorder | None, inject: CPShard | None = None
+):
     rank, world = dist.get_rank(group), dist.get_world_size(group)
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -182,6 +208,8 @@ def _head_split_pre_hook(group: dist.ProcessGroup, n_inputs: int, order: _Natura
         if order is not None:
             nat, _ = order(t, split[0].device)
             split = tuple(x.index_select(1, nat) for x in split)
+        if inject is not None:  # hybrid: the core passes its state over the outer group
+            kwargs = {**kwargs, "cp": inject}
         return (*split, *args[n_inputs:]), kwargs
 
     return hook
@@ -201,63 +229,134 @@ def _attention_heads(parent: nn.Module) -> tuple[int, int]:
     return n_heads, getattr(cfg, "n_kv_heads", n_heads)
 
 
-def apply_context_parallel(
-    model: nn.Module,
-    cp_mesh: DeviceMesh,
-    *,
-    tp: int = 1,
-    attention_name: str = "inner_attention",
-    balanced: bool | None = None,
+_ULYSSES_FLAG = "--parallelism.context_parallel_ulysses_degree"
+
+
+def plan_context_parallel(
+    model: nn.Module, cp: int, *, tp: int = 1, ulysses: int = 1, attention_name: str = "inner_attention"
 ) -> dict[str, str]:
-    """Context parallel on every sequence core of ``model``; return ``{core FQN: form}`` (also logged).
+    """``{core FQN: form}`` for context parallel of degree ``cp`` (hybrid: Ulysses over groups of ``ulysses``
+    ranks inside); raises naming the flag to change. Needs no process group (the dry run and tests call it).
 
     Forms, chosen per core from its heads per tensor-parallel rank (``tp``):
-    - ``ulysses``: heads divide by the CP degree: all-to-all to whole sequences with a chunk of heads;
+    - ``ulysses``: heads divide by ``cp``: all-to-all to whole sequences with a chunk of heads;
     - ``allgather``: attention whose query or K/V heads do not divide: K/V gathered, local queries kept;
     - ``state_passing``: a linear-attention core (``cp_head_split_inputs``) whose key heads do not divide
-      and that accepts a ``cp`` keyword (``cp_state_passing``): recurrent state passed between pieces.
-    The balanced (zig-zag) batch order is used when any core needs the whole-row K/V or state (``allgather``,
-    ``state_passing``) and ``balanced`` is not False; ``balanced=None`` (default) also requires the model to
-    take no inputs beyond the generic batch contract (``input_keys``: a model input may index the token
-    stream in a way only the model knows). ``model.cp_shard`` holds the order the batch must be split with,
-    ``model.cp_plan`` the returned plan.
+      and that accepts a ``cp`` keyword (``cp_state_passing``): recurrent state passed between pieces;
+    - ``hybrid_allgather`` / ``hybrid_state_passing`` (``ulysses > 1``, instead of the two above): Ulysses
+      over the ``ulysses`` neighbouring ranks, then the K/V all-gather / state passing across the ``cp /
+      ulysses`` groups. The heads per tensor-parallel rank must divide by ``ulysses``.
     """
-    group = cp_mesh.get_group()
-    cp = dist.get_world_size(group)
-    rank = dist.get_rank(group)
+    if ulysses < 1 or cp % ulysses:
+        raise ValueError(
+            f"{_ULYSSES_FLAG} ({ulysses}) must be >= 1 and divide --parallelism.context_parallel_degree ({cp})"
+        )
     plan: dict[str, str] = {}
     named = dict(model.named_modules())
     for fqn, module in named.items():
         parent = named[fqn.rsplit(".", 1)[0]] if "." in fqn else model
         if getattr(module, "cp_head_split_inputs", 0):
-            n_k = parent.config.num_k_heads // tp
-            if n_k % cp == 0:
-                plan[fqn] = "ulysses"
-            elif getattr(module, "cp_state_passing", False):
-                plan[fqn] = "state_passing"
-            else:
-                raise ValueError(
-                    f"{fqn}: {n_k} key heads per tensor-parallel rank do not divide into context_parallel_degree "
-                    f"{cp} and the core cannot pass state: set --parallelism.context_parallel_degree to a divisor "
-                    f"of {n_k}"
-                )
+            heads = {"key heads": parent.config.num_k_heads // tp}
+            beyond = "state_passing" if getattr(module, "cp_state_passing", False) else None
         elif fqn.rsplit(".", 1)[-1] == attention_name:
-            n_q, n_kv = (n // tp for n in _attention_heads(parent))
-            plan[fqn] = "ulysses" if n_q % cp == 0 and n_kv % cp == 0 else "allgather"
+            heads = dict(zip(("query heads", "key/value heads"), (n // tp for n in _attention_heads(parent))))
+            beyond = "allgather"
+        else:
+            continue
+        if all(n % cp == 0 for n in heads.values()):
+            plan[fqn] = "ulysses"
+            continue
+        what = " and ".join(f"{n} {name}" for name, n in heads.items())
+        if ulysses > 1:
+            if any(n % ulysses for n in heads.values()):
+                raise ValueError(
+                    f"{fqn}: hybrid context parallel splits the heads over {_ULYSSES_FLAG} {ulysses} ranks, but the "
+                    f"core has {what} per tensor-parallel rank: set {_ULYSSES_FLAG} to a common divisor of them "
+                    "(1 turns the hybrid off)"
+                )
+            if beyond is not None and ulysses < cp:
+                plan[fqn] = f"hybrid_{beyond}"
+                continue
+        if beyond is None:
+            raise ValueError(
+                f"{fqn}: {what} per tensor-parallel rank do not divide into context_parallel_degree {cp} and the "
+                "core cannot pass state: set --parallelism.context_parallel_degree to a divisor of "
+                f"{heads['key heads']}"
+            )
+        plan[fqn] = beyond
     if not plan:
         raise ValueError(f"context parallel found no attention core named {attention_name!r} in the model")
+    return plan
+
+
+def _check_hybrid_meshes(cp_mesh: DeviceMesh, inner: DeviceMesh, outer: DeviceMesh) -> None:
+    """The inner (Ulysses) groups must be runs of ``u`` consecutive CP ranks and the outer groups strided by
+    ``u``: only then do an inner group's pieces form the outer shard's pieces (see the module docstring)."""
+    cp_ranks = cp_mesh.mesh.flatten().tolist()
+    me = cp_ranks.index(dist.get_rank())
+    u = inner.size()
+    o, i = divmod(me, u)
+    want_inner, want_outer = cp_ranks[o * u : (o + 1) * u], cp_ranks[i::u]
+    got_inner, got_outer = inner.mesh.flatten().tolist(), outer.mesh.flatten().tolist()
+    if got_inner != want_inner or got_outer != want_outer:
+        raise ValueError(
+            f"hybrid context parallel needs Ulysses groups of {u} consecutive CP ranks ({want_inner}) and outer "
+            f"groups strided by {u} ({want_outer}); got {got_inner} and {got_outer} (build them with ParallelDims)"
+        )
+
+
+def apply_context_parallel(
+    model: nn.Module,
+    cp_mesh: DeviceMesh,
+    *,
+    tp: int = 1,
+    hybrid: tuple[DeviceMesh, DeviceMesh] | None = None,
+    attention_name: str = "inner_attention",
+    balanced: bool | None = None,
+) -> dict[str, str]:
+    """Context parallel on every sequence core of ``model``; return ``{core FQN: form}`` (also logged).
+
+    Forms are chosen per core by ``plan_context_parallel``; ``hybrid = (inner mesh, outer mesh)`` (the
+    ``cp_inner`` / ``cp_outer`` meshes of ``ParallelDims``) turns on the hybrid forms.
+    The balanced (zig-zag) batch order is used when any core needs the whole-row K/V or state (every form but
+    ``ulysses``) and ``balanced`` is not False (a model's own inputs are split piece by piece by its
+    ``split_inputs_for_cp``). ``model.cp_shard`` holds the order the batch must be split with (the same for
+    the hybrid forms), ``model.cp_plan`` the returned plan.
+    """
+    group = cp_mesh.get_group()
+    cp = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    ulysses = hybrid[0].size() if hybrid is not None else 1
+    plan = plan_context_parallel(model, cp, tp=tp, ulysses=ulysses, attention_name=attention_name)
     needs_rows = any(form != "ulysses" for form in plan.values())
     if balanced is None:
-        balanced = needs_rows and not getattr(model, "input_keys", ())
+        balanced = needs_rows
     shard = CPShard(rank=rank, size=cp, balanced=bool(balanced), all_gather=partial(all_gather_cp, group=group))
-    order = _NaturalOrder(shard) if shard.balanced else None
+    order = _Reorder(shard.natural_index) if shard.balanced else None
+    inner_group = outer_shard = hybrid_order = None
+    if any(form.startswith("hybrid_") for form in plan.values()):
+        inner, outer = hybrid
+        _check_hybrid_meshes(cp_mesh, inner, outer)
+        inner_group, outer_group = inner.get_group(), outer.get_group()
+        o = rank // ulysses
+        # Inner group o holds the pieces of outer piece(s) P (rank o of cp / ulysses): full pieces P*u .. P*u+u-1
+        outer_shard = CPShard(
+            rank=o, size=cp // ulysses, balanced=shard.balanced, all_gather=partial(all_gather_cp, group=outer_group)
+        )
+        members = [o * ulysses + j for j in range(ulysses)]
+        pieces = [P * ulysses + j for P in outer_shard.pieces_of(o) for j in range(ulysses)]
+        hybrid_order = _Reorder(lambda t, device: shard.gather_index(t, members, pieces, device))
+    named = dict(model.named_modules())
     for fqn, form in plan.items():
         module = named[fqn]
         n_inputs = getattr(module, "cp_head_split_inputs", 0)
-        if form == "ulysses":
-            pre = _head_split_pre_hook(group, n_inputs, order) if n_inputs else _pre_hook(group, order)
+        if form == "ulysses" or form.startswith("hybrid_"):
+            # hybrid: all-to-all inside the inner group, then the core runs on the outer shard
+            plain = form == "ulysses"
+            a2a, reorder, inject = (group, order, None) if plain else (inner_group, hybrid_order, outer_shard)
+            pre = _head_split_pre_hook(a2a, n_inputs, reorder, inject) if n_inputs else _pre_hook(a2a, reorder, inject)
             module.register_forward_pre_hook(pre, with_kwargs=True)
-            module.register_forward_hook(_post_hook(group, order))
+            module.register_forward_hook(_post_hook(a2a, reorder))
         else:
             module.register_forward_pre_hook(_inject_shard_hook(shard), with_kwargs=True)
     model.cp_shard, model.cp_plan = shard, plan
@@ -266,8 +365,9 @@ def apply_context_parallel(
         for form in plan.values():
             counts[form] = counts.get(form, 0) + 1
         forms = ", ".join(f"{n} x {form}" for form, n in sorted(counts.items()))
+        levels = f" (hybrid: Ulysses over {ulysses} ranks x {cp // ulysses} groups)" if hybrid_order else ""
         logger.info(
-            "context parallel %d: %s; batch order %s", cp, forms,
+            "context parallel %d%s: %s; batch order %s", cp, levels, forms,
             "balanced (zig-zag pieces r and 2cp-1-r)" if shard.balanced else "contiguous",
         )  # fmt: skip
     return plan
@@ -320,8 +420,9 @@ def split_batch_for_cp(
     The generic keys ``input_ids``, ``labels`` (``[B, T]``) and ``position_ids`` (``[B, T]`` or
     ``[3, B, T]``) are sliced along their last dim; ``cu_seqlens``/``max_seqlen`` stay GLOBAL (the sequence
     cores see or reach whole rows). The model's own inputs (``model_keys``) go through
-    ``split_inputs(inputs, lo=, hi=, seqlen=)`` (the model's ``split_inputs_for_cp``; contiguous order only);
-    other keys pass through. ``position_ids`` must be in the batch: they cannot be rebuilt from a chunk.
+    ``split_inputs(inputs, ranges=, seqlen=)`` (the model's ``split_inputs_for_cp``; ``ranges`` are this rank's
+    pieces in local order); other keys pass through. ``position_ids`` must be in the batch: they cannot be
+    rebuilt from a chunk.
     """
     if cp_size == 1:
         return dict(batch)
@@ -344,11 +445,5 @@ def split_batch_for_cp(
             out[key] = torch.cat([batch[key][..., lo:hi] for lo, hi in ranges], dim=-1)
     inputs = {k: batch[k] for k in model_keys if k in batch}
     if inputs and split_inputs is not None:
-        if balanced:
-            raise ValueError(
-                f"the balanced context-parallel order cannot split the model inputs {sorted(inputs)}: "
-                "apply_context_parallel(balanced=False) for a model with its own inputs"
-            )
-        lo, hi = ranges[0]
-        out.update(split_inputs(inputs, lo=lo, hi=hi, seqlen=T))
+        out.update(split_inputs(inputs, ranges=ranges, seqlen=T))
     return out

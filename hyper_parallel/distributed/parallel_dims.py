@@ -10,15 +10,21 @@ ep`` without TP; EP and TP together are not supported yet).
 Every view of the world is an ``_unflatten`` of the same 1-D world mesh, so all of them share one
 root and DTensors/FSDP on different views compose:
 
-============  ==========================================  ==================================
-view          axes                                        used by
-============  ==========================================  ==================================
-layout        dp_replicate, dp_shard, cp, tp              CP, TP
-batch         dp, cp, tp                                  data loading (``dp`` ranks differ)
-loss          dp_cp, tp                                   token counts and loss sums (ranks with different tokens)
-dense         dp_replicate, dp_shard_cp, tp               FSDP/HSDP of every dense parameter
-sparse        dp_replicate, efsdp, ep                     EP and FSDP of routed experts/router
-============  ==========================================  ==================================
+============  ================================================  ==================================
+view          axes                                              used by
+============  ================================================  ==================================
+layout        dp_replicate, dp_shard, cp, tp                    CP, TP
+batch         dp, cp, tp                                        data loading (``dp`` ranks differ)
+loss          dp_cp, tp                                         token counts and loss sums (ranks with different tokens)
+dense         dp_replicate, dp_shard_cp, tp                     FSDP/HSDP of every dense parameter
+sparse        dp_replicate, efsdp, ep                           EP and FSDP of routed experts/router
+cp_hybrid     dp_replicate, dp_shard, cp_outer, cp_inner, tp    hybrid CP (only when 1 < cp_inner < cp)
+============  ================================================  ==================================
+
+Hybrid context parallel (``--parallelism.context_parallel_ulysses_degree`` = ``cp_inner``) splits the cp axis
+into ``cp_outer x cp_inner``, inner fastest: an inner group is ``cp_inner`` consecutive CP ranks (neighbours on
+the ranks' order, so inside a node), an outer group the ranks ``cp_inner`` apart. The groups of this view
+live in the world mesh's registry like every other, so ``close()`` frees them too.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ _VIEWS: dict[str, tuple[str, ...]] = {
     "loss": ("dp_cp", "tp"),
     "dense": ("dp_replicate", "dp_shard_cp", "tp"),
     "sparse": ("dp_replicate", "efsdp", "ep"),
+    "cp_hybrid": ("dp_replicate", "dp_shard", "cp_outer", "cp_inner", "tp"),
 }
 # Axes that get a (possibly size-1) process group even at degree 1: FSDP always has a mesh, so the
 # same code path (and gradient reduction) serves every layout, including TP-only and EP-only ones.
@@ -65,6 +72,8 @@ class ParallelDims:
     tp: int
     ep: int
     world_size: int
+    cp_inner: int = 1
+    """Hybrid context parallel: Ulysses degree inside the CP group (``context_parallel_ulysses_degree``)."""
     enable_sequence_parallel: bool = True
     enable_loss_parallel: bool = True
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False, compare=False)
@@ -104,6 +113,12 @@ class ParallelDims:
                 f"({p.tensor_parallel_degree}) = {total}, but the world size is {world_size}: change the degrees "
                 f"(or set {_P}data_parallel_shard_degree -1 to take the rest)"
             )
+        u, cp = p.context_parallel_ulysses_degree, p.context_parallel_degree
+        if u < 1 or cp % u:
+            raise ConfigError(
+                f"{_P}context_parallel_ulysses_degree is {u}; it must be >= 1 and divide {_P}context_parallel_degree "
+                f"({cp}): the hybrid runs Ulysses inside groups of that many CP ranks (1 turns it off)"
+            )
         ep = p.expert_parallel_degree
         if ep > 1 and (dp_shard * p.context_parallel_degree) % ep:
             raise ConfigError(
@@ -124,6 +139,7 @@ class ParallelDims:
             tp=p.tensor_parallel_degree,
             ep=ep,
             world_size=world_size,
+            cp_inner=u,
             enable_sequence_parallel=p.enable_sequence_parallel,
             enable_loss_parallel=p.enable_loss_parallel,
         )
@@ -150,8 +166,9 @@ class ParallelDims:
                     f"tensor_parallel_degree ({self.tp}) does not divide the model's {name} ({value}): "
                     f"set {_P}tensor_parallel_degree to a divisor of {value}"
                 )
-            # context parallel needs no head check: beyond the heads per tp rank it gathers K/V instead of
-            # splitting heads (``context_parallel.apply_context_parallel``)
+            # context parallel needs no other head check: beyond the heads per tp rank it gathers K/V instead
+            # of splitting heads (``context_parallel.apply_context_parallel``), unless the hybrid splits them
+            self.check_cp_heads(name, value)
         for name, value in (tp_dims or {}).items():
             if value % self.tp:
                 raise ConfigError(
@@ -175,6 +192,18 @@ class ParallelDims:
                         f"x context_parallel / expert_parallel = {self.efsdp} ranks, which does not divide {name} "
                         f"({value}): change {_P}expert_parallel_degree or {_P}data_parallel_shard_degree"
                     )
+
+    def check_cp_heads(self, name: str, value: int) -> None:
+        """Hybrid context parallel splits the heads per TP rank of every core they do not put on Ulysses over
+        the whole CP group (``value / tp`` not divisible by ``cp``) over ``cp_inner`` ranks: raise unless they
+        divide. ``name`` is the model field of ``value`` (a sequence core's heads, e.g. ``n_kv_heads``)."""
+        per_tp = value // self.tp
+        if self.cp_inner > 1 and per_tp % self.cp and per_tp % self.cp_inner:  # cp_inner == cp: Ulysses only
+            raise ConfigError(
+                f"hybrid context parallel splits the heads of every core over {_P}context_parallel_ulysses_degree "
+                f"({self.cp_inner}) ranks, but the model has {per_tp} {name} per tensor-parallel rank: set it to a "
+                f"divisor of {per_tp} (1 turns the hybrid off)"
+            )
 
     # ------------------------------------------------------------------ derived degrees
     @property
@@ -205,6 +234,20 @@ class ParallelDims:
         return self.cp > 1
 
     @property
+    def cp_outer(self) -> int:
+        """Hybrid context parallel: the groups of ``cp_inner`` ranks the K/V all-gather / state passing spans."""
+        return self.cp // self.cp_inner
+
+    @property
+    def hybrid_cp(self) -> bool:
+        """Hybrid context parallel has two levels (``1 < cp_inner < cp``)."""
+        return 1 < self.cp_inner < self.cp
+
+    def cp_hybrid_meshes(self) -> tuple[DeviceMesh, DeviceMesh] | None:
+        """``(inner, outer)`` meshes of hybrid context parallel (``apply_context_parallel(hybrid=)``), or None."""
+        return (self.mesh("cp_inner"), self.mesh("cp_outer")) if self.hybrid_cp else None
+
+    @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
@@ -233,6 +276,7 @@ class ParallelDims:
             "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp,
             "ep": self.ep, "dp": self.dp, "dp_shard_cp": self.dp_shard_cp, "efsdp": self.efsdp,
             "dp_cp": self.dp * self.cp,
+            "cp_inner": self.cp_inner if self.hybrid_cp else 1, "cp_outer": self.cp_outer if self.hybrid_cp else 1,
             "world": self.world_size,
         }  # fmt: skip
         if name not in sizes:
@@ -255,6 +299,8 @@ class ParallelDims:
         for view, names in _VIEWS.items():
             if view == "sparse" and self.ep == 1 and self.tp == 1:
                 continue  # routed experts then share the dense FSDP mesh: no extra groups
+            if view == "cp_hybrid" and not self.hybrid_cp:
+                continue
             kept = tuple(n for n in names if self.degree(n) > 1 or n in _ALWAYS_BUILT)
             if kept:
                 self._meshes[view] = world._unflatten(0, tuple(self.degree(n) for n in kept), kept)
@@ -335,4 +381,6 @@ class ParallelDims:
 
     def __str__(self) -> str:
         parts = [f"{n}={self.degree(n)}" for n in ("dp_replicate", "dp_shard", "cp", "tp", "ep")]
+        if self.hybrid_cp:
+            parts.insert(3, f"cp_inner={self.cp_inner}")
         return f"ParallelDims({', '.join(parts)}, world={self.world_size})"

@@ -167,7 +167,7 @@ def parallelize_decoder(
     # 1. context parallel around every sequence core: Ulysses all-to-all over heads where they divide, else
     # K/V all-gather (attention) or state passing (Gated DeltaNet); chosen per core and logged
     if pd.cp_enabled:
-        apply_context_parallel(model, pd.mesh("cp"), tp=pd.tp)
+        apply_context_parallel(model, pd.mesh("cp"), tp=pd.tp, hybrid=pd.cp_hybrid_meshes())
 
     # 2. activation checkpointing (first hooks on each layer)
     apply_activation_checkpointing(layers, ac_config)

@@ -87,7 +87,7 @@ def axis_labels(parallel_dims: ParallelDims) -> dict[str, str]:
     add(pd.efsdp_mesh())
     if pd.tp == 1 or pd.ep == 1:
         add(pd.fsdp_mesh_with_tp())
-    for axis in ("tp", "cp", "ep", "dp_replicate"):
+    for axis in ("tp", "cp", "cp_inner", "cp_outer", "ep", "dp_replicate"):  # cp_inner/outer: hybrid CP only
         add(pd.mesh(axis))
     for axis in ("dp_shard", "dp_shard_cp", "efsdp", "dp", "dp_cp", "world"):
         mesh = pd.mesh(axis)

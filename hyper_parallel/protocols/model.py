@@ -13,7 +13,7 @@ What the model-agnostic trainer needs from a model, and nothing else:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -55,15 +55,23 @@ class BaseModel(Module):
         pass
 
     @classmethod
-    def split_inputs_for_cp(cls, inputs: Mapping[str, Any], *, lo: int, hi: int, seqlen: int) -> dict[str, Any]:
-        """This context-parallel rank's part of the declared inputs: it keeps tokens ``[lo, hi)`` of every row.
+    def split_inputs_for_cp(
+        cls, inputs: Mapping[str, Any], *, ranges: Sequence[tuple[int, int]], seqlen: int
+    ) -> dict[str, Any]:
+        """This context-parallel rank's part of the declared inputs. The rank keeps the pieces ``ranges`` (global
+        ``[lo, hi)`` column ranges of every ``seqlen``-token row; one contiguous chunk, or two pieces in the
+        balanced order) and its local row is their concatenation, in that order.
 
         Default: ``cp_seq_keys`` are sliced along their last dim, other keys are kept whole (replicated).
         A model whose inputs index into the flat token stream (e.g. GlmImageMoe's ``visual_indices``)
         overrides this to renumber them.
         """
         del seqlen
-        return {k: (v[..., lo:hi] if k in cls.cp_seq_keys and v is not None else v) for k, v in inputs.items()}
+
+        def local(v: torch.Tensor) -> torch.Tensor:
+            return torch.cat([v[..., lo:hi] for lo, hi in ranges], dim=-1)
+
+        return {k: (local(v) if k in cls.cp_seq_keys and v is not None else v) for k, v in inputs.items()}
 
     def count_params(self, *, exclude_embeddings: bool = False) -> int:
         """Total parameter count (works on the meta device)."""

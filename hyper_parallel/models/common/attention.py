@@ -189,13 +189,24 @@ class CPShard:
     def natural_index(self, local_len: int, device: torch.device | None = None) -> torch.Tensor:
         """``[T]`` long: for each global position of a row, its index in the rank-major gathered order
         (rank 0's local tokens, then rank 1's, ...)."""
-        idx = torch.empty(local_len * self.size, dtype=torch.long)
-        for r in range(self.size):
-            at = r * local_len
-            for lo, hi in self.ranges(local_len, r):
-                idx[lo:hi] = torch.arange(at, at + hi - lo)
-                at += hi - lo
-        return idx.to(device)
+        return self.gather_index(local_len, range(self.size), range(self.n_pieces), device)
+
+    def gather_index(
+        self, local_len: int, ranks: Sequence[int], pieces: Sequence[int], device: torch.device | None = None
+    ) -> torch.Tensor:
+        """Long ``[len(pieces) * piece_len]``: for every token of the global ``pieces`` (in that order), its index
+        in the concatenation of the local tokens of ``ranks`` (in that order): the ``index_select`` that puts
+        an all-to-all's rank-major output into the order a core wants. Every piece must be held by ``ranks``."""
+        n = self.piece_len(local_len)
+        start, at = {}, 0
+        for r in ranks:
+            for p in self.pieces_of(r):
+                start[p] = at
+                at += n
+        missing = [p for p in pieces if p not in start]
+        if missing:
+            raise ValueError(f"CP ranks {list(ranks)} do not hold the pieces {missing} of {self.n_pieces}")
+        return torch.cat([torch.arange(start[p], start[p] + n) for p in pieces]).to(device)
 
 
 class VarlenAttention(Module):

@@ -589,6 +589,21 @@ def piece_segments(cu: list[int], B: int, T: int, ranges: list[tuple[int, int]])
     return out
 
 
+class _Anchor(torch.autograd.Function):
+    """``out`` unchanged, with ``others`` joined to its graph (zero gradients): an all-gather whose output a rank
+    happens not to use (every piece starts a document, or holds row starts only) must still run its backward
+    collective, else the ranks that do use theirs wait for it forever."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        ctx.shapes = [(o.shape, o.dtype, o.device) for o in others]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        return (grad, *(torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.shapes))
+
+
 def _through(cu: list[int], row: int, lo: int, hi: int) -> bool:
     """One document crosses piece ``[lo, hi)`` whole (no document starts in it)."""
     i = bisect.bisect_left(cu, row + lo)
@@ -793,4 +808,5 @@ def gated_delta_rule_cp(
             S0[sorted_pos[first_seg[i]]] = s
     out, _ = _scan(U, W, Kd, decay, steps, torch.stack(S0), Qd=Qd, P=P)
     o = out.transpose(1, 2).reshape(-1, Hv, Dv).index_select(0, plan.slot_of_token)
+    o = _Anchor.apply(o, gathered, *((gathered_tails,) if halo else ()))
     return o.view(B, t, Hv, Dv).to(qkv_BTHG.dtype)

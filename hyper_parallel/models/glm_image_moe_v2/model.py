@@ -85,26 +85,29 @@ class GlmImageMoeModel(Decoder):
         if config.freeze_vq:
             self.vq_codebook.weight.requires_grad_(False)
         self.hf_passthrough: dict[str, torch.Tensor] = {}
-        """HF keys we do not model (other ``model.vqmodel.*``), written back unchanged by save_pretrained."""
+        """HF keys we do not model (other ``model.vqmodel.*``; with MTP off, the GLM-4.7-Flash nextn layer),
+        written back unchanged by save_pretrained."""
 
     def lm_head_out_features(self) -> int:
         return self.config.output_size
 
     @classmethod
-    def split_inputs_for_cp(cls, inputs: Mapping[str, Any], *, lo: int, hi: int, seqlen: int) -> dict[str, Any]:
-        """Keep the image positions in tokens ``[lo, hi)`` of each row, renumbered into the local stream; and,
-        for multi-token prediction, the images one token AFTER the chunk's positions (``mtp_visual_indices``
-        / ``mtp_vq_codes``: the next token of the chunk's last position lives on the next rank)."""
+    def split_inputs_for_cp(
+        cls, inputs: Mapping[str, Any], *, ranges: Sequence[tuple[int, int]], seqlen: int
+    ) -> dict[str, Any]:
+        """Keep the image positions in the pieces ``ranges`` of each row, renumbered into the local stream (the
+        pieces concatenated); and, for multi-token prediction, the images one token AFTER each piece's positions
+        (``mtp_visual_indices`` / ``mtp_vq_codes``: the next token of a piece's last position lives in the next
+        piece, on another rank). Codes are computed from ids, so the MTP input needs no exchange."""
         out = dict(inputs)
         flat, codes = inputs.get("visual_indices"), inputs.get("vq_codes")
         if flat is not None:
-            row, col = flat // seqlen, flat % seqlen
-            keep = (col >= lo) & (col < hi)
-            out["visual_indices"] = row[keep] * (hi - lo) + (col[keep] - lo)
+            out["visual_indices"], keep = _local_positions(flat, ranges=ranges, seqlen=seqlen, shift=0)
             if codes is not None:
                 out["vq_codes"] = codes[keep]
-                mtp_pair = next_token_images(flat, codes, lo=lo, hi=hi, seqlen=seqlen)
-                out["mtp_visual_indices"], out["mtp_vq_codes"] = mtp_pair
+                out["mtp_visual_indices"], out["mtp_vq_codes"] = next_token_images(
+                    flat, codes, ranges=ranges, seqlen=seqlen
+                )
         return out
 
     def embed(
@@ -193,7 +196,7 @@ class GlmImageMoeModel(Decoder):
                 visual_indices = (input_ids.reshape(-1) == self.config.placeholder_token_id).nonzero().squeeze(-1)
             T = input_ids.shape[-1]
             mtp_visual_indices, mtp_vq_codes = next_token_images(
-                visual_indices.reshape(-1), vq_codes.reshape(-1), lo=0, hi=T, seqlen=T
+                visual_indices.reshape(-1), vq_codes.reshape(-1), ranges=[(0, T)], seqlen=T
             )
         B, T, D = e_BTD.shape
         # an image token that starts a document is nobody's next token: that position holds no next id
@@ -270,14 +273,35 @@ def nextn_reader(
     return reader
 
 
-def next_token_images(
-    visual_indices: torch.Tensor, vq_codes: torch.Tensor, *, lo: int, hi: int, seqlen: int
+def _local_positions(
+    flat: torch.Tensor, *, ranges: Sequence[tuple[int, int]], seqlen: int, shift: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """For positions ``[lo, hi)`` of every row of a ``[B, seqlen]`` batch: the local flat positions whose NEXT
-    token is an image token, and that token's code (``visual_indices`` are flat over the whole batch)."""
-    row, col = visual_indices // seqlen, visual_indices % seqlen
-    keep = (col > lo) & (col <= hi)
-    return row[keep] * (hi - lo) + (col[keep] - 1 - lo), vq_codes[keep]
+    """``(local flat positions, which entries of flat)`` of the positions ``flat - shift`` (flat over a ``[B,
+    seqlen]`` batch, ``shift`` within a row) that lie in the pieces ``ranges``, in the local stream: every row
+    the pieces concatenated in the order given. Sorted, as ``flat`` is (pieces are in increasing order)."""
+    row, col = flat // seqlen, flat % seqlen - shift
+    local_len = sum(hi - lo for lo, hi in ranges)
+    local = torch.full_like(flat, -1)
+    offset = 0
+    for lo, hi in ranges:
+        inside = (col >= lo) & (col < hi)
+        local = torch.where(inside, row * local_len + offset + (col - lo), local)
+        offset += hi - lo
+    keep = local >= 0
+    local, keep_idx = local[keep], keep.nonzero().squeeze(-1)
+    order = torch.argsort(local)  # a row's second balanced piece comes after its first in the local stream
+    return local[order], keep_idx[order]
+
+
+def next_token_images(
+    visual_indices: torch.Tensor, vq_codes: torch.Tensor, *, ranges: Sequence[tuple[int, int]], seqlen: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the positions in the pieces ``ranges`` (global ``[lo, hi)`` columns) of every row of a ``[B,
+    seqlen]`` batch: the local flat positions whose NEXT token is an image token (the pieces concatenated per
+    row), and that token's code (``visual_indices`` are flat over the whole batch). A piece's last position
+    takes the image token that opens the next piece."""
+    local, keep = _local_positions(visual_indices, ranges=ranges, seqlen=seqlen, shift=1)
+    return local, vq_codes[keep]
 
 
 def glm_image_moe_config(

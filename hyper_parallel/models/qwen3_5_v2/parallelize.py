@@ -42,6 +42,7 @@ def validate_qwen3_5_layout(config: Qwen3_5Model.Config, parallel_dims: Parallel
                     f"tensor_parallel_degree ({parallel_dims.tp}) does not divide the Gated DeltaNet {name} "
                     f"({value}): set {_P}tensor_parallel_degree to a divisor of {value}"
                 )
+        parallel_dims.check_cp_heads("Gated DeltaNet linear_num_key_heads", gdn.num_k_heads)
     parallel_dims.validate_model(
         n_heads=attn.n_heads if attn is not None else 1,
         n_kv_heads=attn.n_kv_heads if attn is not None else None,

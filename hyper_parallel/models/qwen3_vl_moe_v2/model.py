@@ -25,14 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 import numpy as np
 import torch
 import tyro
 
 from hyper_parallel.data.vision_language.mrope import mrope_position_ids
-from hyper_parallel.models.common.attention import AttentionMeta, VarlenAttention
+from hyper_parallel.models.common.attention import AttentionMeta, CPShard, VarlenAttention
 from hyper_parallel.models.common.block import TransformerBlock, combine_aux_losses
 from hyper_parallel.models.common.decoder import Decoder
 from hyper_parallel.models.common.embedding import Embedding
@@ -51,6 +51,21 @@ from hyper_parallel.protocols.param_init import NormalInit
 __all__ = ["Qwen3VlMoeModel", "TextFamily", "qwen3_5_moe_vl_config", "qwen3_vl_moe_config", "text_family_of"]
 
 TextFamily = Literal["qwen3_vl_moe", "qwen3_5_moe"]
+
+
+class _Embedded(NamedTuple):
+    """The trunk's input embeddings and what the layers and the MTP block need of the visual path."""
+
+    h: torch.Tensor
+    """``[B, T, D]``: token embeddings, visual features at the visual tokens."""
+    idx: torch.Tensor | None
+    """Flat indices of the visual tokens (None: the micro-batch has none)."""
+    deep: list[torch.Tensor]
+    """Deepstack features, one ``[n, D]`` per level, at ``idx``."""
+    after: torch.Tensor | None
+    """``[B, K, D]``: for each of this rank's ``K`` sequence pieces of every row, the visual feature of the token
+    right after the piece when that token (the next piece's first) is visual, else zeros; None without MTP
+    inputs or without visual tokens. Without context parallel ``K = 1`` and no token follows a row."""
 
 
 def text_family_of(config: Decoder.Config) -> TextFamily:
@@ -101,8 +116,9 @@ class Qwen3VlMoeModel(Decoder):
             )
         self.hf_passthrough: dict = {}
         """HF keys we do not model (e.g. ``mtp.*``), written back unchanged by save_pretrained."""
-        self.cp_group = None
-        """Context-parallel process group (set by ``parallelize``): each rank then holds a chunk of every row."""
+        self.cp_shard: CPShard | None = None
+        """Context parallel (set by ``apply_context_parallel``): which pieces of every row this rank holds (one
+        contiguous chunk, or two pieces in the balanced order) and the CP group's differentiable all-gather."""
         self.hf_experts_layout: str = "memory"
         """Fused-expert layout of the HF folder this model was loaded from (``hub`` or ``memory``), written back."""
         self._apply_freeze()
@@ -156,13 +172,35 @@ class Qwen3VlMoeModel(Decoder):
 
         Image tokens carry the merger output of the images, video tokens that of the videos (each in
         sequence order, HF's ``masked_scatter``); the deepstack features follow the same indices."""
+        e = self._embed(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+                        pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)  # fmt: skip
+        return e.h, e.idx, e.deep
+
+    def _embed(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        mtp_input_ids: torch.Tensor | None = None,
+    ) -> _Embedded:
+        """``embed``, plus (given ``mtp_input_ids``) the visual features of the tokens right after this rank's
+        sequence pieces (``_Embedded.after``)."""
         h_BTD = self.embed_tokens(input_ids)
         B, T, D = h_BTD.shape
         merged, deep, real = self._vision(pixel_values, image_grid_thw, h_BTD.device, pixel_values_videos,
                                           video_grid_thw)  # fmt: skip
         if not real:  # zero contribution, but the tower and its FSDP units still ran on every rank
             zero = merged.sum() + sum((d.sum() for d in deep), merged.new_zeros(()))
-            return h_BTD + 0.0 * zero.to(h_BTD.dtype), None, []
+            return _Embedded(h_BTD + 0.0 * zero.to(h_BTD.dtype), None, [], None)
+        shard = self.cp_shard
+        n_local = 1 if shard is None else len(shard.pieces_of(shard.rank))
+        after_BKD = ends_BK = None
+        if mtp_input_ids is not None:  # the next token of every local piece's last position (< 0: none in the doc)
+            after_BKD = h_BTD.new_zeros(B, n_local, D)
+            ends_BK = mtp_input_ids[:, T // n_local - 1 :: T // n_local]
         m2 = self.config.visual.spatial_merge_size ** 2
         n_image = 0 if image_grid_thw is None or pixel_values is None else int(image_grid_thw.prod(-1).sum()) // m2
         parts = []  # (token mask [B, T], its slice of the merged rows, name, grids)
@@ -176,8 +214,15 @@ class Qwen3VlMoeModel(Decoder):
         for mask, span, what, grid in parts:
             idx_parts.append(torch.nonzero(mask.reshape(-1)).squeeze(-1))
             n = span.stop - span.start
-            if self.cp_group is not None:  # this rank holds a chunk of every row: keep the features of its tokens
-                rows_parts.append(span.start + self._cp_feature_rows(mask.sum(dim=1), n, what))
+            if shard is not None:  # this rank holds pieces of every row: keep the features of its tokens
+                rows, next_BK = self._cp_feature_rows(mask, n, what)
+                rows_parts.append(span.start + rows)
+                if after_BKD is not None and n:
+                    # A piece's next token opens the next piece (another rank's): when it is of this kind, its
+                    # feature is the first of that piece, and every rank's tower made all of them.
+                    token = self.config.image_token_id if what == "image" else self.config.video_token_id
+                    feature_BKD = merged[(span.start + next_BK).clamp(max=merged.shape[0] - 1)].to(h_BTD.dtype)
+                    after_BKD = torch.where((ends_BK == token).unsqueeze(-1), feature_BKD, after_BKD)
             else:
                 if idx_parts[-1].numel() != n:
                     token = self.config.image_token_id if what == "image" else self.config.video_token_id
@@ -189,34 +234,45 @@ class Qwen3VlMoeModel(Decoder):
                 rows_parts.append(torch.arange(span.start, span.stop, device=merged.device))
         idx = torch.cat(idx_parts)
         rows = torch.cat(rows_parts)
-        if self.cp_group is not None or rows.numel() != merged.shape[0]:
+        if shard is not None or rows.numel() != merged.shape[0]:
             merged, deep = merged[rows], [d[rows] for d in deep]
         h = h_BTD.reshape(B * T, D).index_copy(0, idx, merged.to(h_BTD.dtype)).view(B, T, D)
-        return h, idx, [d.to(h_BTD.dtype) for d in deep]
+        return _Embedded(h, idx, [d.to(h_BTD.dtype) for d in deep], after_BKD)
 
-    def _cp_feature_rows(self, local_counts_B: torch.Tensor, total: int, what: str = "image") -> torch.Tensor:
-        """Indices into the batch's ``what`` features of this CP rank's ``what`` tokens (row-major, then chunk order).
+    def _cp_feature_rows(
+        self, mask_BT: torch.Tensor, total: int, what: str = "image"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices into the batch's ``what`` features of this CP rank's ``what`` tokens (``mask_BT``), in local
+        order: row-major, and within a row piece by piece (``cp_shard``: one chunk, or two balanced pieces);
+        and ``[B, K]``: for each local piece of every row, the index of the first ``what`` feature of the NEXT
+        piece (the feature of its first token, if that is a ``what`` token; 0 after the row's last piece).
 
-        Every rank of the CP group calls this for images and for videos (one all-gather each), whether
-        or not its chunk holds any: the group's ranks share one micro-batch, so the calls match."""
-        import torch.distributed as dist
-
-        group = self.cp_group
-        counts = [torch.empty_like(local_counts_B) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(counts, local_counts_B.contiguous(), group=group)
-        counts_RB = torch.stack(counts)  # [cp, B] tokens of every chunk of every row
-        if int(counts_RB.sum()) != total:
+        The features are in global sequence order, so a token's feature index is the number of ``what`` tokens
+        before it in the batch: one all-gather of every rank's per-piece counts finds it. Every rank of the CP
+        group calls this for images and for videos, whether or not its pieces hold any: the group's ranks share
+        one micro-batch, so the calls match."""
+        shard = self.cp_shard
+        B, T = mask_BT.shape
+        mine = shard.pieces_of(shard.rank)
+        counts_BK = mask_BT.reshape(B, len(mine), shard.piece_len(T)).sum(-1)  # tokens of every local piece
+        counts_RBK = shard.all_gather(counts_BK)  # [cp, B, local pieces]
+        holder = _piece_holders(shard)
+        counts_BP = torch.stack([counts_RBK[r, :, k] for r, k in holder], dim=1)  # [B, global pieces]
+        if int(counts_BP.sum()) != total:
             token = self.config.image_token_id if what == "image" else self.config.video_token_id
             raise ValueError(
-                f"the batch's rows hold {int(counts_RB.sum())} {what} tokens (id {token}) but "
+                f"the batch's rows hold {int(counts_BP.sum())} {what} tokens (id {token}) but "
                 f"{what}_grid_thw gives {total} merged visual tokens: each {what} needs t*h*w/merge_size**2 "
                 "placeholders"
             )
-        rank = dist.get_rank(group)
-        row_start = torch.cumsum(counts_RB.sum(0), 0) - counts_RB.sum(0)  # [B] first feature of each row
-        start_B = row_start + counts_RB[:rank].sum(0)
-        pieces = [s + torch.arange(int(n), device=s.device) for s, n in zip(start_B, counts_RB[rank])]
-        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=local_counts_B.device)
+        # first feature of every piece of every row: all tokens of the rows before, then of the pieces before
+        start_BP = (torch.cumsum(counts_BP.reshape(-1), 0) - counts_BP.reshape(-1)).view(B, shard.n_pieces)
+        start, count = start_BP[:, list(mine)].reshape(-1).tolist(), counts_BP[:, list(mine)].reshape(-1).tolist()
+        device = mask_BT.device
+        pieces = [torch.arange(s, s + n, device=device) for s, n in zip(start, count)]
+        rows = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=device)
+        next_BK = torch.cat([start_BP, torch.zeros_like(start_BP[:, :1])], dim=1)[:, [p + 1 for p in mine]]
+        return rows, next_BK
 
     # ---- positions -------------------------------------------------------------------------------
 
@@ -286,13 +342,17 @@ class Qwen3VlMoeModel(Decoder):
         """
         if position_ids is None:
             position_ids = self.mrope_positions(input_ids, image_grid_thw, cu_seqlens, video_grid_thw)
-        h, idx, deep = self.embed(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
-                                  pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)
+        mtp = self.mtp_active(mtp_input_ids)
+        h, idx, deep, after = self._embed(
+            input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+            pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw,
+            mtp_input_ids=mtp_input_ids if mtp else None,
+        )  # fmt: skip
         B, T, D = h.shape
         meta = AttentionMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_host=cu_seqlens_host)
         mtp_embeds = None
-        if self.mtp_active(mtp_input_ids):  # before the layers: h is still the trunk's input embedding
-            mtp_embeds = self._embed_next_tokens_with_visuals(mtp_input_ids, h, idx)
+        if mtp:  # before the layers: h is still the trunk's input embedding
+            mtp_embeds = self._embed_next_tokens_with_visuals(mtp_input_ids, h, after)
         auxes = []
         for i, layer in enumerate(self.layers):
             h = layer(h, position_ids=position_ids, meta=meta)
@@ -306,27 +366,39 @@ class Qwen3VlMoeModel(Decoder):
         return logits if aux_loss is None else ModelOutput(logits, aux_loss)
 
     def _embed_next_tokens_with_visuals(
-        self, mtp_input_ids: torch.Tensor, h_BTD: torch.Tensor, idx: torch.Tensor | None
+        self, mtp_input_ids: torch.Tensor, h_BTD: torch.Tensor, after_BKD: torch.Tensor | None
     ) -> torch.Tensor:
         """MTP input: the embedding of every position's next token; where that token is an image/video token,
         the merged visual feature the trunk put there (vLLM's Qwen3.5 drafter merges its ``inputs_embeds`` with
-        the image features like the target). ``h_BTD``: the trunk's input embeddings, ``idx``: their visual
-        positions (None: no visual token)."""
+        the image features like the target). ``h_BTD``: the trunk's input embeddings; ``after_BKD``: the visual
+        features of the tokens right after each local sequence piece (``_Embedded.after``; None: the
+        micro-batch has no visual token).
+
+        ``mtp_input_ids[q]`` is the id of token ``q + 1`` when it is in ``q``'s document (else negative), so it
+        says where the next token is visual. Its input row is ``h[q + 1]`` inside a piece; at a piece's last
+        position token ``q + 1`` opens the next piece, held by another context-parallel rank, whose feature
+        this rank's copy of the vision tower also made (the tower runs on every image on every CP rank). So no
+        exchange: a differentiable all-gather of the pieces' first rows was tried and deadlocked, its backward
+        running before FSDP's backward-prefetch all-gather on one rank and after it on the other. The gradient
+        reaches this rank's tower; FSDP sums the tower's gradients over the CP ranks."""
         e_BTD = self.embed_next_tokens(mtp_input_ids)
-        if idx is None or idx.numel() == 0:
+        if after_BKD is None:
             return e_BTD
-        if self.cp_group is not None:
-            raise NotImplementedError(
-                "MTP with images under context parallel is not implemented (the next token of a chunk's last "
-                "position lives on the next rank): set --parallelism.context_parallel_degree 1 or turn MTP off"
-            )
+        c = self.config
+        next_visual = mtp_input_ids == c.image_token_id
+        if c.video_token_id >= 0:
+            next_visual = next_visual | (mtp_input_ids == c.video_token_id)
         B, T, D = e_BTD.shape
-        is_visual = torch.zeros(B * T, dtype=torch.bool, device=idx.device)
-        is_visual[idx] = True
-        # mtp_input_ids >= 0: position q has a next token, q + 1 in the same row and document
-        q = torch.nonzero((mtp_input_ids.reshape(-1) >= 0) & torch.roll(is_visual, -1)).squeeze(-1)
-        flat = e_BTD.reshape(B * T, D)
-        return flat.index_copy(0, q, h_BTD.reshape(B * T, D)[q + 1].to(flat.dtype)).view(B, T, D)
+        n_local = after_BKD.shape[1]
+        h_BKnD = h_BTD.reshape(B, n_local, T // n_local, D)  # the local pieces of every row
+        next_BTD = torch.cat([h_BKnD[:, :, 1:], after_BKD.unsqueeze(2)], dim=2).reshape(B, T, D)
+        return torch.where(next_visual.unsqueeze(-1), next_BTD.to(e_BTD.dtype), e_BTD)
+
+
+def _piece_holders(shard: CPShard) -> list[tuple[int, int]]:
+    """For every global piece of a row, in order: ``(rank, local index)`` of the CP rank that holds it."""
+    holder = {p: (r, k) for r in range(shard.size) for k, p in enumerate(shard.pieces_of(r))}
+    return [holder[p] for p in range(shard.n_pieces)]
 
 
 # ---- builders --------------------------------------------------------------------------------------

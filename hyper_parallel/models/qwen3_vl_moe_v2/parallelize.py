@@ -6,7 +6,7 @@ vision tower has none: FSDP only) and the FSDP units. Vision blocks are ``layers
 the mergers are FSDP units of their own. The model runs the tower in every forward (a dummy grid when
 a micro-batch has no image), so every rank calls every unit. With ``freeze_vision`` the whole tower is
 FSDP-ignored: whole on every rank, no gradient, no communication. Under Ulysses context parallel the
-tower is not split (its attention core is not named ``inner_attention``); see ``Qwen3VlMoeModel.cp_group``.
+tower is not split (its attention core is not named ``inner_attention``); see ``Qwen3VlMoeModel.cp_shard``.
 """
 
 from __future__ import annotations
@@ -58,8 +58,7 @@ def parallelize_qwen3_vl_moe(
     validate_qwen3_vl_moe_layout(model.config, parallel_dims)
     declared = layout_shardings(model.config, set_qwen3_vl_moe_sharding_config, parallel_dims)
     # Context parallel: the tower runs on all images on every CP rank (pixels are replicated); the model
-    # keeps the features of its own chunk's image tokens, found with one all-gather of per-row counts.
-    model.cp_group = parallel_dims.mesh("cp").get_group() if parallel_dims.cp_enabled else None
+    # keeps the features of its own pieces' image tokens (``model.cp_shard``, set by apply_context_parallel).
     visual = model.visual
     frozen = model.config.freeze_vision
     vision_layers = [] if frozen else list(visual.blocks)
