@@ -15,8 +15,10 @@ shards and load the folder, then export it again. Per rank it reports:
 ``--impl rank0`` runs the path this project had before issue 27 (rank 0 builds the whole fp32 model, reads
 the whole folder, converts it and broadcasts every tensor; the export gathers the whole model on rank 0,
 which writes every file), reproduced here for comparison; ``--impl sharded`` (default) the current one
-(each rank reads the slices of its own shards; the export gathers one tensor at a time and every rank
-writes its own files). The sharded export is checked tensor by tensor against the source folder.
+(each rank reads the slices of its own shards; the export sends one tensor at a time to the rank that writes
+its file, each shard once, point to point, and every rank writes its own files). The sharded export is
+checked tensor by tensor against the source folder. Timings on a shared machine are noisy: run it more than
+once (an older build of the package can be measured with ``PYTHONPATH=<its copy>``).
 
     .venv/bin/python benchmarks/hf_io.py [--impl sharded|rank0] [--layouts fsdp1,fsdp2,fsdp4,ep2,ep4]
         [--folder /tmp/hf_io_bench] [--keep]

@@ -12,16 +12,18 @@ process's RSS for as long as the mapping lives.
 
 Writing. ``save_converted(sources, convert, path)`` writes sharded safetensors plus the index from our
 (possibly sharded) tensors, converting one tensor at a time: it plans every file from shapes alone
-(``convert`` on meta tensors), gives the files to the ranks round-robin, and gathers one tensor at a time
-(``DTensor.full_tensor``, a collective every rank joins in the same order); the rank that owns a file keeps
-the converted tensors it needs and writes the file as soon as it is complete. One process (no DTensor)
-writes every file. Either way the files are the same bytes.
+(``convert`` on meta tensors), gives the files to the ranks round-robin, and sends each tensor to the rank(s)
+writing its file(s) only (``shard_gather.gather_many``: each shard once, point to point). It goes in rounds in
+which every rank assembles the next tensor of its own files, so the ranks receive and convert at the same time
+while each holds one gathered tensor; the owner keeps the converted tensors it needs and writes the file as
+soon as it is complete. One process (no DTensor) writes every file. Either way the files are the same bytes.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from hyper_parallel.protocols.shard_gather import gather_many
 
 __all__ = [
     "SAFE_INDEX",
@@ -502,6 +506,32 @@ def _in_folder(t: Any, path: Path) -> bool:
         return False
 
 
+def _rounds(order: Sequence[str], dests: Mapping[str, tuple[int, ...]]) -> list[list[str]]:
+    """Group the keys into exchanges in which each rank receives at most one tensor: each rank's keys keep
+    their order (its files fill and are written in turn), and the ranks' next keys go together, so they all
+    assemble and convert at the same time. A key for several ranks (its outputs span files of different
+    owners) goes alone, once it is next for each of them."""
+    pos = {k: i for i, k in enumerate(order)}
+    queues: dict[int, deque[str]] = {}
+    multi: deque[str] = deque()
+    for k in order:
+        if len(dests[k]) > 1:
+            multi.append(k)
+        else:
+            queues.setdefault(dests[k][0], deque()).append(k)
+    rounds: list[list[str]] = []
+    def reached(r: int) -> bool:  # rank r has nothing left before the next multi-rank key
+        return not queues.get(r) or pos[queues[r][0]] > pos[multi[0]]
+
+    while multi or any(queues.values()):
+        if multi and all(reached(r) for r in dests[multi[0]]):
+            rounds.append([multi.popleft()])
+            continue
+        waiting = set(dests[multi[0]]) if multi else set()
+        rounds.append([q.popleft() for r, q in sorted(queues.items()) if q and not (r in waiting and reached(r))])
+    return rounds
+
+
 def save_converted(
     sources: Mapping[str, Any],
     convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
@@ -557,30 +587,30 @@ def save_converted(
     left = {i: len(keys) for i, keys in enumerate(files) if owner[i] == rank}
     buffers: dict[int, dict[str, torch.Tensor]] = {i: {} for i in left}
     order = sorted(sources, key=lambda k: (min((file_of[h] for h in outputs[k]), default=-1), k))
-    for key in order:
-        if not outputs[key]:
-            continue  # written as nothing (a tied head): no gather; the plan is the same on every rank
-        mine = [h for h in outputs[key] if owner[file_of[h]] == rank]
-        t = sources[key]
-        if isinstance(t, DTensor):
-            full = t.full_tensor()  # every rank gathers, in the same order
-        elif isinstance(t, HFTensor):
-            full = t.read() if mine else None
-        else:
-            full = t
-        if mine:
+    # a tensor written as nothing (a tied head) needs no gather; the plan is the same on every rank
+    dests = {k: tuple(sorted({owner[file_of[h]] for h in outputs[k]})) for k in order if outputs[k]}
+    for round_keys in _rounds([k for k in order if k in dests], dests):
+        # every rank of the round assembles its own tensor at once (one exchange), then converts it
+        sharded = [k for k in round_keys if isinstance(sources[k], DTensor)]
+        gathered = dict(zip(sharded, gather_many([(sources[k], dests[k]) for k in sharded]), strict=True))
+        for key in round_keys:
+            mine = [h for h in outputs[key] if owner[file_of[h]] == rank]
+            if not mine:
+                continue
+            t = sources[key]
+            full = gathered[key] if key in gathered else t.read() if isinstance(t, HFTensor) else t
             converted = convert({key: full})
             for h in mine:
                 # clone: safetensors refuses views and shared storage; and the gathered tensor can go
                 buffers[file_of[h]][h] = converted[h].detach().to("cpu").contiguous().clone()
                 left[file_of[h]] -= 1
-            del converted
-        del full
-        for i in sorted({file_of[h] for h in mine}):
-            if left[i] == 0:
-                shard = buffers.pop(i)
-                save_file({h: shard[h] for h in sorted(shard)}, str(path / names[i]), metadata=meta)
-                del shard
+            del converted, full
+            for i in sorted({file_of[h] for h in mine}):
+                if left[i] == 0:
+                    shard = buffers.pop(i)
+                    save_file({h: shard[h] for h in sorted(shard)}, str(path / names[i]), metadata=meta)
+                    del shard
+        del gathered
     if rank == 0 and len(files) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": {h: names[file_of[h]] for h in sizes}}
         (path / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))

@@ -12,6 +12,7 @@ import torch
 
 from tests.torch.st.glm_jobs import Layout
 from tests.torch.st.hf_io_jobs import sharded_load_export_job
+from tests.torch.st.shard_gather_jobs import gather_job
 
 pytestmark = pytest.mark.slow
 
@@ -67,3 +68,14 @@ def test_sharded_load_and_export_equal_the_one_process_path(pool, folders):
     for name, r in by_name.items():
         assert r["files"], name
         assert r["files_differ"] == [], (name, r["files_differ"])
+
+
+def test_gather_to_reaches_the_destinations_only(pool):
+    """The export's per-tensor gather (4 ranks): uneven, empty, replicated, 2-D (EP x FSDP), strided (FSDP over
+    TP) and multi-stretch shards all arrive exactly on the destination ranks, each part received once at
+    most; the other ranks get nothing and receive nothing."""
+    results = pool.run(gather_job, 4)
+    for rank, per_case in enumerate(results):
+        bad = [case for case, ok in per_case.items() if not ok]
+        assert not bad, (rank, bad)
+    assert len(results[0]) == 8 * 3 + 1  # every case x destination set ran, and the many-tensor exchange

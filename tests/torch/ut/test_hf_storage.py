@@ -221,3 +221,23 @@ def test_shape_mismatch_names_the_key_and_file(good_folder, tmp_path):
     f = _rewrite(bad, weight_map, key, torch.zeros(32, 7))
     with pytest.raises(CheckpointKeyError, match=f"shape: layers.2.mlp.shared_experts.down_proj.weight is \\[32, 7\\] \\(in {f}\\)"):
         _load(bad)
+
+
+def test_export_rounds_keep_each_ranks_order_and_give_each_rank_one_tensor():
+    # the sharded export's schedule (save_converted): keys of 4 ranks, some for two ranks at once
+    g = torch.Generator().manual_seed(0)
+    order = [f"k{i:02d}" for i in range(40)]
+    dests = {}
+    for k in order:
+        first = int(torch.randint(4, (1,), generator=g))
+        dests[k] = (first,) if torch.rand(1, generator=g) > 0.15 else tuple(sorted({first, (first + 1) % 4}))
+    rounds = hf_storage._rounds(order, dests)
+    assert sorted(k for r in rounds for k in r) == order  # every key once
+    for r in rounds:
+        ranks = [d for k in r for d in dests[k]]
+        assert len(ranks) == len(set(ranks)), r  # a rank assembles one tensor per exchange
+        assert len(r) == 1 or all(len(dests[k]) == 1 for k in r), r  # a key for several ranks goes alone
+    for rank in range(4):  # each rank meets its keys in the plan's order (its files fill one after another)
+        seen = [k for r in rounds for k in r if rank in dests[k]]
+        assert seen == [k for k in order if rank in dests[k]], rank
+    assert len(rounds) < len(order)  # ranks do go together

@@ -49,13 +49,14 @@ def _released(name: str) -> dict[str, Any]:
 # name -> (our package, the HF class transformers builds for the folder)
 RELEASES = {
     "qwen3_vl_30b_a3b_instruct.json": (qwen3_vl_moe_v2, "Qwen3VLMoeForConditionalGeneration"),
-    "qwen3_6_35b_a3b.json": (qwen3_5_moe_v2, "Qwen3_5MoeForConditionalGeneration"),
+    "qwen3_5_35b_a3b.json": (qwen3_5_moe_v2, "Qwen3_5MoeForConditionalGeneration"),
+    "qwen3_6_35b_a3b.json": (qwen3_5_moe_v2, "Qwen3_5MoeForConditionalGeneration"),  # Qwen3.6: its own form
     "qwen3_5_0_8b.json": (qwen3_5_v2, "Qwen3_5ForConditionalGeneration"),
-    "qwen3_5_9b.json": (qwen3_5_v2, "Qwen3_5ForCausalLM"),
+    "qwen3_5_27b.json": (qwen3_5_v2, "Qwen3_5ForConditionalGeneration"),
     "glm_4_7_flash.json": (glm_image_moe_v2, "Glm4MoeLiteForCausalLM"),
 }
-# the 35B-A3B release also feeds the VL package (the Qwen3.5-MoE VL model shares the text reader)
-VL_OF = {"qwen3_6_35b_a3b.json": qwen3_vl_moe_v2}
+# the 35B-A3B releases also feed the VL package (the Qwen3.5-MoE VL model shares the text reader)
+VL_OF = {"qwen3_5_35b_a3b.json": qwen3_vl_moe_v2, "qwen3_6_35b_a3b.json": qwen3_vl_moe_v2}
 
 
 def _hf_config(d: dict[str, Any]):
@@ -163,10 +164,20 @@ def test_released_config_reads_like_transformers(name):
         assert vl["params"] == hf["params"]
 
 
+# Qwen3.5-35B-A3B's MTP head (``mtp.*``, kept aside unless MTP is on), from the folder's weight table (SOURCES.md):
+# fc [2048, 4096], attention q/k/v/o + q/k norms, 256 experts x 3 [512, 2048], shared expert 3 x [512, 2048] + its
+# gate [1, 2048], router [256, 2048], five [2048] norms
+_QWEN3_5_35B_MTP = (2048 * 4096 + 8192 * 2048 + 2 * 512 * 2048 + 2048 * 4096 + 2 * 256
+                    + 256 * 3 * 512 * 2048 + 3 * 512 * 2048 + 2048 + 256 * 2048 + 5 * 2048)  # fmt: skip
+
+
 def test_released_parameter_counts_are_the_published_ones():
     # Qwen3-VL-30B-A3B-Instruct: 31,070,754,032 parameters in its 13 safetensors files (see SOURCES.md)
     cfg = qwen3_vl_moe_v2.config_from_hf(_released("qwen3_vl_30b_a3b_instruct.json"))
     assert _our_facts(cfg)["params"] == 31_070_754_032
+    # Qwen3.5-35B-A3B: 35,951,822,704 parameters in its 14 safetensors files, the MTP head's included
+    cfg = qwen3_vl_moe_v2.config_from_hf(_released("qwen3_5_35b_a3b.json"))
+    assert _our_facts(cfg)["params"] + _QWEN3_5_35B_MTP == 35_951_822_704
 
 
 # ---- shrunk copies in the same form -----------------------------------------------------------------------
@@ -188,10 +199,10 @@ def _shrink(name: str) -> dict[str, Any]:
     if "layer_types" in t:
         t["layer_types"] = t["layer_types"][:4]
     t["num_hidden_layers"] = 4 if "linear_num_key_heads" in t or "layer_types" in t else 3
-    if "linear_num_key_heads" in t:  # Qwen3.5: keep head_dim 256 and its rope form; shrink the rest
+    if "linear_num_key_heads" in t:  # Qwen3.5: keep head_dim 256, its rope form and its value/key head ratio
+        ratio = t["linear_num_value_heads"] // t["linear_num_key_heads"]  # 1 (0.8B), 2 (35B-A3B), 3 (27B)
         t.update(num_attention_heads=2, num_key_value_heads=1, linear_num_key_heads=2,
-                 linear_num_value_heads=2 if t["linear_num_value_heads"] == t["linear_num_key_heads"] else 4,
-                 linear_key_head_dim=16, linear_value_head_dim=16)  # fmt: skip
+                 linear_num_value_heads=2 * ratio, linear_key_head_dim=16, linear_value_head_dim=16)  # fmt: skip
     else:  # Qwen3-VL: keep head_dim 128 and the [24, 20, 20] sections
         t.update(num_attention_heads=2, num_key_value_heads=1)
     if "intermediate_size" in t:
@@ -275,9 +286,10 @@ _SAVE = {glm_image_moe_v2: dict(text_only=True)}
 # (release, package reading it, with images)
 CASES = [
     ("qwen3_vl_30b_a3b_instruct.json", qwen3_vl_moe_v2, True),
-    ("qwen3_6_35b_a3b.json", qwen3_5_moe_v2, False),
-    ("qwen3_6_35b_a3b.json", qwen3_vl_moe_v2, True),
+    ("qwen3_5_35b_a3b.json", qwen3_5_moe_v2, False),
+    ("qwen3_5_35b_a3b.json", qwen3_vl_moe_v2, True),
     ("qwen3_5_0_8b.json", qwen3_5_v2, False),
+    ("qwen3_5_27b.json", qwen3_5_v2, False),
     ("glm_4_7_flash.json", glm_image_moe_v2, False),
 ]
 
@@ -389,6 +401,18 @@ def test_qwen3_5_config_forms_build_what_transformers_builds(form, tmp_path):
     want = _hf_logits(_hf_model(tmp_path / "hf", RELEASES[name][1]), inputs)
     got = _our_logits(qwen3_vl_moe_v2.from_pretrained(tmp_path / "hf"), inputs)
     assert (got - want).abs().max().item() <= TOL
+
+
+def test_qwen3_5_text_only_causal_lm_form_reads_like_transformers():
+    # the form a text-only export of a release takes (quantizers write it: ``Qwen3_5ForCausalLM``, the text
+    # config at the top level, rope_theta / partial_rotary_factor in rope_parameters): the 27B release, lifted
+    d = copy.deepcopy(_released("qwen3_5_27b.json")["text_config"])
+    d.update(architectures=["Qwen3_5ForCausalLM"], tie_word_embeddings=False)
+    d.pop("layer_types")  # full_attention_interval alone: transformers derives the same layer types
+    hf, ours = _hf_facts(d, "Qwen3_5ForCausalLM"), _our_facts(qwen3_5_v2.config_from_hf(d))
+    for key in ours:
+        assert ours[key] == hf[key], (key, ours[key], hf[key])
+    assert ours["layer_types"][:4] == ["linear_attention"] * 3 + ["full_attention"]
 
 
 def _vl_forms() -> dict[str, dict[str, Any]]:
