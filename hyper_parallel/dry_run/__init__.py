@@ -104,8 +104,9 @@ def dry_run(
         ),
         device_memory_gib=device_memory_gib,
         notes=[
-            "micro-batches are text-only single documents; the trainer's scalar all-reduces (token count, loss, "
-            "gradient norm, expert load) are not counted"
+            "micro-batches are text-only single documents (with MTP on: one image per context-parallel piece where "
+            "the model takes images); the trainer's scalar all-reduces (token count, loss, gradient norm, expert "
+            "load) are not counted"
         ],
     )
     report.hf_io = hf_io_memory(
@@ -121,7 +122,7 @@ def dry_run(
             pd.build_mesh(MESH_DEVICE)
             labels = axis_labels(pd)
             measured = simulate_step(spec, config, pd, plan)
-        head = plan.depths[0] - plan.period
+        head = plan.head
         if plan.scaled and (plan.num_layers - head) % plan.period:
             report.notes.append(
                 f"the layer stack repeats every {plan.period} layers after {head}, but {plan.num_layers - head} is "

@@ -1,16 +1,18 @@
 """One simulated training step of one rank: peak memory (``FSDPMemTracker``) and collectives (``CommLog``).
 
 The step mirrors ``Trainer.train_step`` on a text-only micro-batch of ``data.max_tokens_per_microbatch``
-tokens (one packed document; this rank's context-parallel chunk): gradient-sync policy per micro-batch,
+tokens (one packed document; this rank's context-parallel chunk; with MTP on, image positions where the model
+takes images, ``mtp_batch.py``): gradient-sync policy per micro-batch,
 loss-parallel context, backward, optimizer step. Everything runs under ``FakeTensorMode`` on the fake
 process group (see ``simulation.py``), so a 30B model costs no memory, only dispatch time.
 
 Deep models are slow to dispatch even without data, so ``simulate_step`` may run two shallower
-copies of the model instead (``layer_plan``): the prefixes ``s + p`` and ``s + 2p`` layers, where
+copies of the model instead (``layer_plan``): the prefixes ``s + 2p`` and ``s + 3p`` layers, where
 ``p`` is the period of the layer stack after a head of ``s`` distinct layers (GlmImageMoe: one dense
-layer, then identical MoE layers: 2 and 3 layers). Memory and communication are linear in the number
+layer, then identical MoE layers: 3 and 4 layers). Memory and communication are linear in the number
 of periods (every layer keeps its activations and shards; per-layer collectives repeat), so the
-full depth is ``value(s+p) + (L - s - p) / p * (value(s+2p) - value(s+p))``.
+full depth is ``value(s+2p) + (L - s - 2p) / p * (value(s+3p) - value(s+2p))``: for the collectives
+directly, for the peak per segment of the step (``timeline.py``: the moment of the peak moves with depth).
 """
 
 from __future__ import annotations
@@ -26,16 +28,22 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 
 from hyper_parallel.distributed.fsdp import set_gradient_reduction
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.dry_run.layout import OptimizerStateLayout, optimizer_state_layout
+from hyper_parallel.dry_run.mtp_batch import mtp_micro_batch
 from hyper_parallel.dry_run.simulation import CommLog, SimulationMode
+from hyper_parallel.dry_run.timeline import (
+    FSDPSegmentTracker,
+    SegmentKey,
+    SegmentPeak,
+    SegmentTracker,
+    extrapolate_segments,
+)
 from hyper_parallel.dry_run.world import MESH_DEVICE, build_parallel_model
-from hyper_parallel.protocols.model_spec import ModelSpec
+from hyper_parallel.protocols.model_spec import ModelSpec, discover_model_spec
 from hyper_parallel.trainer import Trainer
 
 __all__ = [
@@ -56,6 +64,8 @@ class LayerPlan:
     num_layers: int
     depths: tuple[int, ...]
     period: int = 1
+    head: int = 0
+    """Layers before the repeated ones (each simulated copy holds them, then at least two periods)."""
 
     @property
     def scaled(self) -> bool:
@@ -66,8 +76,7 @@ class LayerPlan:
         match = _LAYER_FQN.match(fqn)
         if not self.scaled or match is None or int(match.group(1)) < self.depths[0]:
             return fqn
-        head = self.depths[0] - self.period
-        return f"layers.{head + (int(match.group(1)) - head) % self.period}.{match.group(2)}"
+        return f"layers.{self.head + (int(match.group(1)) - self.head) % self.period}.{match.group(2)}"
 
     def extrapolate(self, low: float, high: float) -> float:
         """The value at full depth from the values at the two simulated depths (linear in periods)."""
@@ -80,8 +89,9 @@ def layer_plan(
 ) -> LayerPlan:
     """Full depth for shallow models (or ``full``), else two shallow depths one period apart.
 
-    The depths are the shortest prefixes ``head + m*p`` and ``head + (m+1)*p`` (``m >= 1``) that ``buildable``
-    accepts: a model may need a minimum depth (Qwen3-VL adds visual features to its first few layers).
+    The depths are the shortest prefixes ``head + m*p`` and ``head + (m+1)*p`` (``m >= 2``: the shallower copy has
+    a first and a last period whose neighbours are repeated layers, see ``timeline.extrapolate_segments``) that
+    ``buildable`` accepts: a model may need a minimum depth (Qwen3-VL adds visual features to its first few layers).
     """
     n = len(layers)
     if full or n <= FULL_DEPTH_MAX_LAYERS:
@@ -96,10 +106,10 @@ def layer_plan(
     if best is None:
         return LayerPlan(n, (n,))
     head, period = best
-    low = head + period
+    low = head + 2 * period
     while low + period < n:
         if buildable is None or (buildable(low) and buildable(low + period)):
-            return LayerPlan(n, (low, low + period), period)
+            return LayerPlan(n, (low, low + period), period, head)
         low += period
     return LayerPlan(n, (n,))
 
@@ -116,15 +126,23 @@ class StepMeasurement:
     """State layout per parameter FQN (from the simulated model)."""
     fsdp_tracker: bool = True
     """The peak comes from ``FSDPMemTracker``, which tracks FSDP-managed parameters only."""
+    segments: dict[SegmentKey, SegmentPeak] = field(default_factory=dict)
+    """Peak per segment of the step (``timeline.py``), for scaling a shallow copy to full depth."""
 
-    def combine(self, other: StepMeasurement, fn) -> StepMeasurement:  # noqa: ANN001 - (float, float) -> float
-        keys = set(self.peak) | set(other.peak)
-        peak = {k: fn(self.peak.get(k, 0.0), other.peak.get(k, 0.0)) for k in keys}
+    def combine(self, other: StepMeasurement, plan: LayerPlan) -> StepMeasurement:
+        """Full depth from this measurement (``plan.depths[0]`` layers) and ``other`` (``plan.depths[1]``)."""
         comm = {}
         for k in set(self.comm) | set(other.comm):
             a, b = self.comm.get(k, [0.0, 0.0]), other.comm.get(k, [0.0, 0.0])
-            comm[k] = [fn(a[0], b[0]), fn(a[1], b[1])]
-        return StepMeasurement(peak=peak, comm=comm, fsdp_tracker=self.fsdp_tracker and other.fsdp_tracker)
+            comm[k] = [plan.extrapolate(a[0], b[0]), plan.extrapolate(a[1], b[1])]
+        peak = extrapolate_segments(
+            self.segments, other.segments, head=plan.head, period=plan.period, depths=plan.depths,
+            num_layers=plan.num_layers,
+        )  # fmt: skip
+        return StepMeasurement(
+            peak={**peak.categories, "Total": peak.total}, comm=comm,
+            fsdp_tracker=self.fsdp_tracker and other.fsdp_tracker,
+        )  # fmt: skip
 
 
 def micro_batches_per_step(config: Trainer.Config, parallel_dims: ParallelDims) -> int:
@@ -170,17 +188,24 @@ def _micro_batch(config: Trainer.Config, pd: ParallelDims) -> dict[str, Any]:
 def _run_step(
     model: nn.Module, optimizers: Any, config: Trainer.Config, pd: ParallelDims, log: CommLog, n_micro: int,
     after_backward: Callable[[], None] = lambda: None,
+    before_micro_batch: Callable[[int], None] = lambda i: None,
 ) -> None:
     loss_fn = config.loss.build()
     parallel_ctx = getattr(type(loss_fn), "parallel_context", None)
-    mb = _micro_batch(config, pd)
-    global_tokens = float(mb["labels"].numel() * pd.dp * pd.cp * n_micro)
     mtp = getattr(config.model, "mtp", None)  # the MTP block: its forward, head and loss count like the trainer's
-    mtp_kwargs = {"mtp_input_ids": torch.zeros_like(mb["input_ids"])} if mtp is not None else {}
+    if mtp is not None:  # with image positions where the model takes images: the MTP image path counts too
+        facts = discover_model_spec(config.model_spec).data_facts(config.model)
+        seqlen = config.data.max_tokens_per_microbatch
+        mb = mtp_micro_batch(seqlen, pd, model, facts, ignore_index=config.loss.ignore_index)
+    else:
+        mb = _micro_batch(config, pd)
+    global_tokens = float(mb["labels"].numel() * pd.dp * pd.cp * n_micro)
+    mtp_kwargs = mb.get("model_inputs", {})  # mtp_input_ids and the model's image inputs
     optimizers.zero_grad()
     for i in range(n_micro):
         last = i == n_micro - 1
         log.phase = "last" if last else "first"
+        before_micro_batch(i)
         set_gradient_reduction(
             model, last=last, defer=config.training.defer_grad_reduce, replicated=pd.dp_replicate > 1
         )  # the Trainer's policy
@@ -196,7 +221,7 @@ def _run_step(
             logits, aux = getattr(out, "logits", out), getattr(out, "aux_loss", None)
             loss = loss_fn(logits, mb["labels"], num_tokens=global_tokens)
             if mtp is not None:
-                loss = loss + mtp.loss_weight * loss_fn(out.mtp_logits, mb["labels"], num_tokens=global_tokens)
+                loss = loss + mtp.loss_weight * loss_fn(out.mtp_logits, mb["mtp_labels"], num_tokens=global_tokens)
             if aux is not None:
                 loss = loss + aux / n_micro
             del out, logits
@@ -242,13 +267,20 @@ def _measure(
         records, log.records = log.records, []
         fsdp_tracker = isinstance(model, FSDPModule) and len(optimizers) == 1
         if fsdp_tracker:
-            tracker: MemTracker = FSDPMemTracker(model, optimizers.optimizers[0])
+            tracker: FSDPSegmentTracker | SegmentTracker = FSDPSegmentTracker(model, optimizers.optimizers[0])
         else:
-            tracker = MemTracker()
+            tracker = SegmentTracker()
             tracker.track_external(model, *optimizers.optimizers)
+
+        def before_micro_batch(i: int) -> None:
+            tracker.micro_batch = i
+
         with tracker:
             # the tracker keeps its peak across micro-batches, but refuses a second root forward without a reset
-            _run_step(model, optimizers, config, pd, log, n_sim, after_backward=tracker.reset_mod_stats)
+            _run_step(
+                model, optimizers, config, pd, log, n_sim, after_backward=tracker.reset_mod_stats,
+                before_micro_batch=before_micro_batch,
+            )  # fmt: skip
         snapshot = tracker.get_tracker_snapshot("peak")
     if not untracked_comm:
         records = log.records
@@ -259,7 +291,9 @@ def _measure(
         entry = comm.setdefault((rec.kind, rec.group, rec.group_size), [0.0, 0.0])
         entry[0] += weight
         entry[1] += weight * rec.nbytes
-    return StepMeasurement(peak=peak, comm=comm, optimizer_layout=layout, fsdp_tracker=fsdp_tracker)
+    return StepMeasurement(
+        peak=peak, comm=comm, optimizer_layout=layout, fsdp_tracker=fsdp_tracker, segments=tracker.segments
+    )
 
 
 def model_config_at_depth(config: Trainer.Config, depth: int) -> Any:
@@ -286,4 +320,4 @@ def simulate_step(spec: ModelSpec, config: Trainer.Config, pd: ParallelDims, pla
     """Peak memory and collectives of one optimizer step of this rank (the fake world must be set up)."""
     n_total = micro_batches_per_step(config, pd)
     low, *high = (_measure(spec, config, pd, model_config_at_depth(config, k), n_total) for k in plan.depths)
-    return low.combine(high[0], plan.extrapolate) if high else low
+    return low.combine(high[0], plan) if high else low

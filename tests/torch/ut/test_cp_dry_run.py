@@ -30,3 +30,21 @@ def test_advice_names_the_cp_degree_that_fits():
     assert fitting_cp_degree(pd, 40 * GIB, 9 * GIB) == 16
     assert fitting_cp_degree(pd, 40 * GIB, 4 * GIB) is None  # cp 16 would still need 5 GiB
     assert fitting_cp_degree(pd, 40 * GIB, 0) is None
+
+
+def test_dry_run_counts_kv_gathers_and_deltanet_state_passing_on_the_cp_axis():
+    """qwen3_5_moe_debug at cp 4 (x FSDP 2, 8 ranks): its 2 K/V heads and 2 DeltaNet key heads are fewer than 4, so
+    attention gathers K/V and DeltaNet passes state. On the cp group per step (fp32, one micro-batch of 512 tokens,
+    t = 128 per rank, two pieces of 64): the attention layer gathers ``cat(k, v) [1, 2, t, 32 + 32]``; each of the 3
+    DeltaNet layers gathers its pieces' conv tails ``[2, 1, 3, 128]`` (K - 1 = 3 rows of the 2 x (16 + 16 + 2 x 16)
+    conv channels) and their state summaries ``[2, 1, 4, 16, 16 + 16]`` (4 value heads, ``S_zero | M``); every
+    gather is reduce-scattered back in backward."""
+    report = main(["--module", "qwen3_5_moe", "--config", "qwen3_5_moe_debug", "--world_size", "8",
+                   "--parallelism.context_parallel_degree", "4"])  # fmt: skip
+    cp, fp32, t = 4, 4, 512 // 4
+    kv = cp * 2 * t * (32 + 32) * fp32
+    tails, summaries = cp * 2 * 3 * 128 * fp32, cp * 2 * 4 * 16 * (16 + 16) * fp32
+    expect = (1 + 3 * 2, kv + 3 * (tails + summaries))
+    comm = {c.kind: (c.calls, c.nbytes) for c in report.comm if c.axis == "cp"}
+    assert comm == {"all_gather": expect, "reduce_scatter": expect}
+    assert report.peak["Total"] > max(m.static for m in report.ranks)

@@ -18,7 +18,7 @@ from hyper_parallel.config.manager import available_modules, available_recipes
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.dry_run import dry_run, main
 from hyper_parallel.dry_run import step as dry_run_step
-from hyper_parallel.dry_run.step import layer_plan, simulate_step
+from hyper_parallel.dry_run.step import LayerPlan, layer_plan, simulate_step
 from hyper_parallel.dry_run.world import MESH_DEVICE, fake_world, validate_layout
 from hyper_parallel.models.glm_image_moe_v2.config_registry import glm_image_moe_a3b, glm_image_moe_debug
 from hyper_parallel.models.glm_image_moe_v2.model import glm_image_moe_config
@@ -167,11 +167,11 @@ def test_layer_scaled_step_equals_full_depth(monkeypatch):
     spec, pd = discover_model_spec(cfg.model_spec), ParallelDims.from_config(cfg.parallelism, 4)
     with fake_world(4, rank=0):
         pd.build_mesh(MESH_DEVICE)
-        plan = layer_plan(cfg.model.layers)
-        assert plan.depths == (2, 3) and plan.representative("layers.5.mlp.gate.weight") == "layers.1.mlp.gate.weight"
-        deeper = layer_plan(cfg.model.layers, buildable=lambda depth: depth >= 3)  # a model with a minimum depth
-        assert deeper.depths == (3, 4)
-        assert deeper.representative("layers.5.mlp.gate.weight") == "layers.2.mlp.gate.weight"  # in the 3-layer copy
+        plan = layer_plan(cfg.model.layers)  # one dense layer, then two periods of one MoE layer (and three)
+        assert plan.depths == (3, 4) and plan.representative("layers.5.mlp.gate.weight") == "layers.1.mlp.gate.weight"
+        deeper = layer_plan(cfg.model.layers, buildable=lambda depth: depth >= 4)  # a model with a minimum depth
+        assert deeper.depths == (4, 5)
+        assert deeper.representative("layers.5.mlp.gate.weight") == "layers.1.mlp.gate.weight"
         scaled = simulate_step(spec, cfg, pd, plan)
         full = simulate_step(spec, cfg, pd, layer_plan(cfg.model.layers, full=True))
     assert scaled.peak == pytest.approx(full.peak, rel=1e-9) and full.peak["Activation"] > 0  # every category
@@ -183,6 +183,46 @@ def test_layer_scaled_step_equals_full_depth(monkeypatch):
     (a2a,) = [v for (kind, _, _), v in full.comm.items() if kind == "all_to_all"]
     moe_layers, slots, dim, experts = 5, 128 * 2, 64, 8
     assert a2a == [micro * moe_layers * 5, micro * moe_layers * (4 * slots * dim * FP32 + experts * 8)]
+
+
+def test_layer_scaled_peak_follows_the_moment_that_peaks_at_full_depth(monkeypatch):
+    """EP 2, full recomputation, one micro-batch, a large vocabulary and large experts: the 3- and 4-layer copies peak
+    at the loss (vocabulary-sized logits, few gradients yet), the 6-layer model at the end of its backward (expert
+    gradient shards of five MoE layers). Scaling the shallow peaks themselves mixes the two moments (the qwen3_5_moe
+    a3b EP 8 report once showed a peak below its own static memory); scaling each segment of the step gives the
+    full-depth peak in every category. The optimizer step holds every gradient shard, experts' included: exactly
+    the analytic per-rank bytes."""
+    monkeypatch.setattr(dry_run_step, "FULL_DEPTH_MAX_LAYERS", 4)
+    cfg = _tiny(ep=2)
+    base = cfg.model
+    cfg.model = glm_image_moe_config(
+        vocab_size=8192, hidden_size=64, intermediate_size=128, moe_intermediate_size=2048, num_hidden_layers=6,
+        num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, codebook_size=256, vq_embed_dim=32,
+        placeholder_token_id=base.placeholder_token_id, n_group=2, topk_group=2,
+    )  # fmt: skip
+    cfg.activation_checkpoint.mode = "full"
+    cfg.training.mixed_precision_param = "bfloat16"
+    cfg.data = dataclasses.replace(cfg.data, max_tokens_per_microbatch=256, global_batch_tokens=0)
+    spec, pd = discover_model_spec(cfg.model_spec), ParallelDims.from_config(cfg.parallelism, 4)
+    with fake_world(4, rank=0):
+        pd.build_mesh(MESH_DEVICE)
+        plan = layer_plan(cfg.model.layers)
+        assert plan.depths == (3, 4) and (plan.head, plan.period) == (1, 1)
+        low, high = (simulate_step(spec, cfg, pd, LayerPlan(6, (k,))) for k in plan.depths)
+        full = simulate_step(spec, cfg, pd, layer_plan(cfg.model.layers, full=True))
+    scaled = low.combine(high, plan)
+    assert scaled.peak == pytest.approx(full.peak, rel=1e-9)
+    # the moment moved: the shallow copies peak with no gradient shard yet, the full model with most of them
+    assert low.peak["Sharded Grad"] == 0 < full.peak["Sharded Grad"]
+    numels = _params(cfg)
+    grads = sum(v for n, v in numels.items() if n != "vq_codebook.weight") // 4 * FP32  # 4 ranks: FSDP, or ep x efsdp
+    experts = sum(v for n, v in numels.items() if ".mlp.experts." in n) // 4 * FP32
+    assert experts > grads / 2  # the expert shards dominate the gradients
+    census = dry_run(cfg, world_size=4, simulate=False).ranks[0]
+    assert census.grads == grads and full.peak["Total"] >= census.static
+    (opt,) = [seg for key, seg in full.segments.items() if key[1] == "optimizer"]
+    assert opt.categories["Sharded Grad"] == grads
 
 
 @pytest.mark.parametrize(
