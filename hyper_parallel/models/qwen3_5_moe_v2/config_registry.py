@@ -52,7 +52,9 @@ def qwen3_5_moe_a3b() -> Trainer.Config:
     and AdamW's two moments take 64.6 GiB per rank, so every 8192-token sequence is split over 2 ranks
     (context parallel 2: Ulysses over the 2 K/V heads and 16 DeltaNet key heads), every layer is recomputed in
     backward, and gradients are reduce-scattered in bf16 (the fp32 reduce buffer of one layer's 256 experts
-    alone is 3.1 GiB). Without these it peaks at 216 GiB (no recomputation) or 74.8 GiB (recomputation only).
+    alone is 3.1 GiB): the dry run peaks at 71.57 GiB per rank (10.5% headroom). Without these it peaked at
+    216 GiB (no recomputation) or 74.8 GiB (recomputation only), measured before the dry run scaled each
+    segment of the step to full depth (rough figures).
     """
     model = qwen3_5_moe_config(
         vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
