@@ -20,6 +20,7 @@ from functools import lru_cache
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import _get_shard_size_and_offsets  # DTensor's own offset rule
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
@@ -92,6 +93,11 @@ def shard_runs(t: DTensor) -> tuple[tuple[tuple[int, Region], ...], frozenset[in
     return _senders(tuple(t.shape), tuple(mesh.shape), ranks, tuple(t.placements))
 
 
+def _members(mesh: DeviceMesh) -> frozenset[int]:
+    """The global ranks of this rank's copy of ``mesh``."""
+    return frozenset(int(r) for r in mesh.mesh.reshape(-1).tolist())
+
+
 def _local_shape(region: Region) -> tuple[int, ...]:
     return tuple(sum(n for _, _, n in runs) for runs in region)
 
@@ -132,7 +138,11 @@ def gather_many(items: Sequence[tuple[DTensor, Sequence[int]]]) -> list[torch.Te
             outs[i] = local  # a replica of the whole tensor (one rank, or replicated): no copy
         elif rank in dests:
             outs[i] = torch.empty(t.shape, dtype=t.dtype, device=local.device)
-        need = [d for d in dests if d not in whole]  # the others receive every part they lack
+        # The others receive every part they lack, from this mesh's ranks. A DTensor on a sub-mesh (the FSDP
+        # mesh of a TP run, say) is one of several copies, one per sub-mesh: a destination outside this rank's
+        # sub-mesh is served by its own copy's ranks, which plan the same way from their own mesh.
+        members = _members(t.device_mesh)
+        need = [d for d in dests if d in members and d not in whole]
         payload = local.contiguous()  # one buffer for every isend of this item, alive until the waits below
         for src, region in senders:
             if src == rank and tuple(local.shape) != _local_shape(region):

@@ -68,6 +68,18 @@ def gather_job() -> dict[str, Any]:
                 else:
                     ok = got is None and received["bytes"] == 0
                 out[f"{name}->{dests}"] = ok
+        # a DTensor on a sub-mesh is one copy per sub-mesh (the FSDP mesh of a TP run, or a size-1 mesh):
+        # every destination is served by its own copy, whichever sub-mesh the destinations sit in
+        if world % 2 == 0:
+            root = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("a", "b"))
+            for dim, placements in (("a", [Shard(0)]), ("b", [Shard(1)]), ("b", [Replicate()])):
+                full = torch.randn(6, 4, generator=torch.Generator().manual_seed(7))
+                t = distribute_tensor(full, root[dim], placements)
+                for dests in ([0], [world - 1], list(range(world))):
+                    got = gather_to(t, dests)
+                    out[f"submesh_{dim}_{placements[0]}->{dests}"] = (
+                        torch.equal(got, full) if rank in dests else got is None
+                    )
         # one exchange, every rank the destination of a different tensor (the export's rounds)
         cases = _cases(world)[:world]
         fulls, items = [], []

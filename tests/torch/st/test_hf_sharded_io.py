@@ -78,4 +78,4 @@ def test_gather_to_reaches_the_destinations_only(pool):
     for rank, per_case in enumerate(results):
         bad = [case for case, ok in per_case.items() if not ok]
         assert not bad, (rank, bad)
-    assert len(results[0]) == 8 * 3 + 1  # every case x destination set ran, and the many-tensor exchange
+    assert len(results[0]) == 8 * 3 + 3 * 3 + 1  # every case x destination set, the sub-mesh cases, the exchange
