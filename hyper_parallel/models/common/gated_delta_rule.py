@@ -360,6 +360,34 @@ def chunk_gated_delta_rule(
                        out_dtype=q_BTHD.dtype)  # fmt: skip
 
 
+def _intra_chunk(
+    qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, Hk: int, Dk: int, Dv: int, L: int
+) -> tuple[torch.Tensor, ...]:
+    """The intra-chunk quantities of every chunk at once, from inputs laid out in chunks ``[N, L, F]``:
+    ``(U, W, Q e^gamma, P, K e^(gamma_L - gamma), e^gamma_L)``, each ``[N, Hv, ...]`` (the scan's operands)."""
+    Hv = g.shape[-1]
+    r = Hv // Hk
+    q, k, v = qkv.reshape(-1, L, Hk, 2 * Dk + r * Dv).split([Dk, Dk, r * Dv], dim=-1)
+    # [N, H, L, d]; value head h reads key head h // r (block grouping)
+    # (head-major and contiguous: every matmul and solve below then reads them without a copy)
+    q = (_l2norm(q) * Dk**-0.5).transpose(1, 2).repeat_interleave(r, dim=1)
+    k = _l2norm(k).transpose(1, 2).repeat_interleave(r, dim=1)
+    v = v.reshape(-1, L, Hv, Dv).transpose(1, 2).contiguous()
+    g, beta = g.transpose(1, 2), beta.transpose(1, 2)  # [N, Hv, L]
+    gamma = g.cumsum(dim=-1)
+    upper = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
+    decay_LL = (gamma.unsqueeze(-1) - gamma.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    k_beta = k * beta.unsqueeze(-1)
+    A = (k_beta @ k.transpose(-1, -2)) * decay_LL
+    P = (q @ k.transpose(-1, -2)) * decay_LL
+    # The unit-lower-triangular solve for both right-hand sides, beta V and beta K e^gamma.
+    U, W = _UnitLowerSolve.apply(A, v * beta.unsqueeze(-1), k_beta * gamma.exp().unsqueeze(-1))
+    Qd = q * gamma.exp().unsqueeze(-1)
+    Kd = k * (gamma[..., -1:] - gamma).exp().unsqueeze(-1)
+    decay = gamma[..., -1].exp()[..., None, None]
+    return U, W, Qd, P, Kd, decay
+
+
 def _chunk_rule(
     qkv_BTC: torch.Tensor,
     g_BTH: torch.Tensor,
@@ -376,7 +404,6 @@ def _chunk_rule(
     ``[q_j | k_j | v_{j*r} .. v_{j*r+r-1}]`` per key head ``j`` (what ``GatedDeltaNet``'s conv hands on)."""
     B, T, C = qkv_BTC.shape
     Hv = g_BTH.shape[-1]
-    r = Hv // Hk
     L = chunk_size
     lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
     n_docs = len(lengths)
@@ -403,29 +430,9 @@ def _chunk_rule(
             flat = torch.cat([t_BTF.reshape(B * T, -1), t_BTF.new_zeros(1, t_BTF.shape[-1])])
             return flat.index_select(0, plan.gather_NL.reshape(-1)).view(*plan.gather_NL.shape, -1)
 
-    qkv, g, beta = to_chunks(qkv_BTC.float()), to_chunks(g_BTH.float()), to_chunks(beta_BTH.float())
-    q, k, v = qkv.reshape(-1, L, Hk, 2 * Dk + r * Dv).split([Dk, Dk, r * Dv], dim=-1)
-
-    # [N, H, L, d]; value head h reads key head h // r (block grouping)
-    # (head-major and contiguous: every matmul and solve below then reads them without a copy)
-    q = (_l2norm(q) * Dk**-0.5).transpose(1, 2).repeat_interleave(r, dim=1)
-    k = _l2norm(k).transpose(1, 2).repeat_interleave(r, dim=1)
-    v = v.reshape(-1, L, Hv, Dv).transpose(1, 2).contiguous()
-    g, beta = g.transpose(1, 2), beta.transpose(1, 2)  # [N, Hv, L]
-
-    # Intra-chunk quantities for all chunks at once.
-    gamma = g.cumsum(dim=-1)
-    upper = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
-    decay_LL = (gamma.unsqueeze(-1) - gamma.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
-    k_beta = k * beta.unsqueeze(-1)
-    A = (k_beta @ k.transpose(-1, -2)) * decay_LL
-    attn = (q @ k.transpose(-1, -2)) * decay_LL
-    # The unit-lower-triangular solve for both right-hand sides, beta V and beta K e^gamma.
-    U, W = _UnitLowerSolve.apply(A, v * beta.unsqueeze(-1), k_beta * gamma.exp().unsqueeze(-1))
-    q_decay = q * gamma.exp().unsqueeze(-1)
-    k_decay = k * (gamma[..., -1:] - gamma).exp().unsqueeze(-1)
-    chunk_decay = gamma[..., -1].exp()[..., None, None]
-
+    U, W, q_decay, attn, k_decay, chunk_decay = _intra_chunk(
+        to_chunks(qkv_BTC.float()), to_chunks(g_BTH.float()), to_chunks(beta_BTH.float()), Hk=Hk, Dk=Dk, Dv=Dv, L=L
+    )
     # The scan over chunk steps (documents side by side, finished ones drop off the end).
     o_NHLD = _ChunkScan.apply(U, W, q_decay, attn, k_decay, chunk_decay, docs_per_step)
     o_NLHD = o_NHLD.transpose(1, 2)  # [N, L, Hv, Dv]
@@ -654,29 +661,14 @@ def _scan(U, W, Kd, decay, steps: list[int], S0: torch.Tensor, Qd=None, P=None):
 def _prepare(qkv_NC: torch.Tensor, g_NH: torch.Tensor, beta_NH: torch.Tensor, cu: list[int], *, Hk, Dk, Dv, L):
     """The intra-chunk quantities of ``_chunk_rule`` (same formulas) for the segments ``cu`` of a flat stream."""
     plan = _chunk_plan(cu, L, qkv_NC.device)
-    Hv = g_NH.shape[-1]
-    r = Hv // Hk
 
     def to_chunks(t_NF: torch.Tensor) -> torch.Tensor:
         flat = torch.cat([t_NF, t_NF.new_zeros(1, t_NF.shape[-1])])
         return flat.index_select(0, plan.gather_NL.reshape(-1)).view(*plan.gather_NL.shape, -1)
 
-    qkv, g, beta = to_chunks(qkv_NC.float()), to_chunks(g_NH.float()), to_chunks(beta_NH.float())
-    q, k, v = qkv.reshape(-1, L, Hk, 2 * Dk + r * Dv).split([Dk, Dk, r * Dv], dim=-1)
-    q = (_l2norm(q) * Dk**-0.5).transpose(1, 2).repeat_interleave(r, dim=1)
-    k = _l2norm(k).transpose(1, 2).repeat_interleave(r, dim=1)
-    v = v.reshape(-1, L, Hv, Dv).transpose(1, 2).contiguous()
-    g, beta = g.transpose(1, 2), beta.transpose(1, 2)
-    gamma = g.cumsum(dim=-1)
-    upper = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
-    decay_LL = (gamma.unsqueeze(-1) - gamma.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
-    k_beta = k * beta.unsqueeze(-1)
-    A = (k_beta @ k.transpose(-1, -2)) * decay_LL
-    P = (q @ k.transpose(-1, -2)) * decay_LL
-    U, W = _UnitLowerSolve.apply(A, v * beta.unsqueeze(-1), k_beta * gamma.exp().unsqueeze(-1))
-    Qd = q * gamma.exp().unsqueeze(-1)
-    Kd = k * (gamma[..., -1:] - gamma).exp().unsqueeze(-1)
-    decay = gamma[..., -1].exp()[..., None, None]
+    U, W, Qd, P, Kd, decay = _intra_chunk(
+        to_chunks(qkv_NC.float()), to_chunks(g_NH.float()), to_chunks(beta_NH.float()), Hk=Hk, Dk=Dk, Dv=Dv, L=L
+    )
     lengths = [e - s for s, e in zip(cu[:-1], cu[1:])]
     n_chunks = [-(-n // L) for n in lengths]
     order = sorted(range(len(lengths)), key=lambda d: -n_chunks[d])  # _chunk_plan's document order
