@@ -8,13 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from hyper_parallel.protocols.hf_io import read_hf_config
 from hyper_parallel.protocols.hf_storage import HFTensor
 from tests.torch.st import glm_jobs
 from tests.torch.st.glm_jobs import Layout
+from tests.torch.st.hf_io_jobs import export_vs_reference
 
 
 def nextn_passthrough_export_job(folder: str, reference_export: str, out_root: str, layout: Layout) -> dict[str, Any]:
@@ -34,14 +33,5 @@ def nextn_passthrough_export_job(folder: str, reference_export: str, out_root: s
         "kept": kept,
         "lazy": all(isinstance(t, HFTensor) for t in model.hf_passthrough.values()),
     }
-    export = Path(out_root) / str(layout)
-    save_pretrained(model, export, state_dict=get_model_state_dict(model), max_shard_size="60KB")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        ref = Path(reference_export)
-        names = sorted(p.name for p in ref.iterdir())
-        result["files"] = sorted(p.name for p in export.iterdir()) == names and len(names) > 3
-        result["files_differ"] = [
-            n for n in names if not (export / n).is_file() or (export / n).read_bytes() != (ref / n).read_bytes()
-        ]
+    result.update(export_vs_reference(save_pretrained, model, Path(out_root) / str(layout), reference_export))
     return result

@@ -23,6 +23,21 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def export_vs_reference(save_pretrained: Any, model: Any, export: Path, reference_export: str) -> dict[str, Any]:
+    """Export ``model`` from every rank (small shards: several files); on rank 0, whether the file names
+    equal the one-process export's (``files``) and which files differ from it byte for byte (``files_differ``)."""
+    save_pretrained(model, export, state_dict=get_model_state_dict(model), max_shard_size="60KB")
+    dist.barrier()
+    if dist.get_rank() != 0:
+        return {}
+    ref = Path(reference_export)
+    names = sorted(p.name for p in ref.iterdir())
+    return {
+        "files": sorted(p.name for p in export.iterdir()) == names and len(names) > 3,
+        "files_differ": [n for n in names if not (export / n).is_file() or (export / n).read_bytes() != (ref / n).read_bytes()],
+    }
+
+
 def sharded_load_export_job(folder: str, reference_export: str, out_root: str, layouts: list[Layout]) -> dict[str, Any]:
     """Per layout: the keys whose loaded full tensor differs from the one-process load, the bytes this rank
     read from the folder, whether the kept passthrough keys are lazy, and (rank 0) the exported files
@@ -62,14 +77,7 @@ def sharded_load_export_job(folder: str, reference_export: str, out_root: str, l
                 "passthrough_lazy": bool(model.hf_passthrough)
                 and all(isinstance(t, HFTensor) for t in model.hf_passthrough.values()),
             }
-            export = Path(out_root) / str(layout)
-            save_pretrained(model, export, state_dict=get_model_state_dict(model), max_shard_size="60KB")
-            dist.barrier()
-            if dist.get_rank() == 0:
-                ref = Path(reference_export)
-                names = sorted(p.name for p in ref.iterdir())
-                result["files"] = sorted(p.name for p in export.iterdir()) == names and len(names) > 3
-                result["files_differ"] = [n for n in names if not (export / n).is_file() or (export / n).read_bytes() != (ref / n).read_bytes()]
+            result.update(export_vs_reference(save_pretrained, model, Path(out_root) / str(layout), reference_export))
             out[str(layout)] = result
     finally:
         StoredTensor.read_into = original  # type: ignore[method-assign]
