@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hyper_parallel.config.manager import ConfigManager, run_cli
+from hyper_parallel.distributed.env import intra_op_threads
 
 
 def init_logging() -> None:
@@ -29,18 +30,18 @@ def init_logging() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Parse the run config, train, and return the run summary."""
+    """Parse the run config, train, and return the run summary (intra-op threads: ``intra_op_threads``)."""
     init_logging()
+    log = logging.getLogger("hyper_parallel")
     config = ConfigManager().parse_args(argv)
-    trainer = config.build()
-    try:
-        summary = trainer.train()
-    finally:
-        trainer.close()
+    with intra_op_threads(log):
+        trainer = config.build()
+        try:
+            summary = trainer.train()
+        finally:
+            trainer.close()
     if summary["first_loss"] is not None:
-        logging.getLogger("hyper_parallel").info(
-            "done: %d steps, loss %.4f -> %.4f", summary["steps"], summary["first_loss"], summary["last_loss"]
-        )
+        log.info("done: %d steps, loss %.4f -> %.4f", summary["steps"], summary["first_loss"], summary["last_loss"])
     return summary
 
 

@@ -4,21 +4,23 @@ Order of construction (nothing heavy happens before the layout is validated):
 process group -> ParallelDims (validated against world size and model facts) -> mesh -> data (its
 config checked against the layout) -> model on the meta device -> parallelize (CP -> AC -> TP -> EP ->
 compile -> FSDP; AC's hooks must come first) -> materialise and initialise (or load HF weights) ->
-optimizer, LR schedule, EMA -> checkpoint manager (resume) -> metrics.
+optimizer, LR schedule, EMA -> validator -> checkpoint manager (resume) -> metrics.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.distributed as dist
+import tyro
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
@@ -34,6 +36,7 @@ from hyper_parallel.components import (
 )
 from hyper_parallel.components.loss import top1_correct
 from hyper_parallel.components.source_metrics import SourceLossMeter
+from hyper_parallel.components.validate import Validator
 from hyper_parallel.config.dtypes import to_torch_dtype
 from hyper_parallel.config import (
     ActivationCheckpointConfig,
@@ -51,6 +54,8 @@ from hyper_parallel.distributed.env import init_distributed, set_determinism, se
 from hyper_parallel.distributed.fsdp import set_gradient_reduction
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.distributed.utils import clip_grad_norm_, dist_sum
+from hyper_parallel.protocols.hf_model import RunModel, check_mtp_tensors, has_checkpoint, resolve_run_model
+from hyper_parallel.protocols.hf_serving import write_serving_files
 from hyper_parallel.protocols.model import BaseModel, split_output
 from hyper_parallel.protocols.model_spec import ModelSpec, discover_model_spec
 
@@ -100,12 +105,18 @@ class Trainer(Configurable):
         """Exponential moving average of the trainable weights."""
         checkpoint: CheckpointManager.Config = field(default_factory=CheckpointManager.Config)
         """DCP checkpoints, resume, HF import and export."""
+        validation: Validator.Config = field(default_factory=Validator.Config)
+        """Validation loss during training (held-out split or own data), best checkpoint, early stop."""
         metrics: MetricsProcessor.Config = field(default_factory=MetricsProcessor.Config)
         """Console, metrics.jsonl, TensorBoard and the loss curve."""
         profiling: Profiler.Config = field(default_factory=Profiler.Config)
         """torch.profiler traces per rank and CUDA memory snapshots (torchtitan's --profiling.* flags)."""
         dump_folder: str = "outputs"
         """Folder for checkpoints, metrics.jsonl, plots and the HF export (relative to the current folder)."""
+        explicit_model_fields: Annotated[tuple[str, ...], tyro.conf.Suppress] = ()
+        """Dotted paths under ``model`` that the command line or run file set (``ConfigManager`` records them):
+        with an HF folder as ``checkpoint.initial_load_path`` the folder is the model, and such a field that
+        contradicts it is an error (training-only options excepted)."""
 
         def validate(self) -> None:
             """Cheap checks of the run config that need no process group."""
@@ -113,6 +124,12 @@ class Trainer(Configurable):
                 raise ValueError(f"training.steps={self.training.steps} must be >= 1")
             if self.training.moe_bias_update_rate < 0:
                 raise ValueError(f"training.moe_bias_update_rate={self.training.moe_bias_update_rate} must be >= 0")
+            self.validation.check()
+            if self.checkpoint.keep_best and not (self.validation.enabled and self.checkpoint.enable):
+                raise ValueError(
+                    "checkpoint.keep_best keeps the checkpoint of the best validation loss: it needs "
+                    "--validation.freq N and --checkpoint.enable"
+                )
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
@@ -128,6 +145,8 @@ class Trainer(Configurable):
             # process can build another trainer without a leftover default group, mesh groups or data workers.
             if getattr(self, "data", None) is not None:
                 self.data.close()
+            if getattr(self, "validator", None) is not None:
+                self.validator.close()
             self._release_distributed()
             raise
 
@@ -137,6 +156,9 @@ class Trainer(Configurable):
         set_determinism(config.debug.seed, deterministic=config.debug.deterministic)
         torch.autograd.set_detect_anomaly(config.debug.detect_anomaly)
         self.spec: ModelSpec = discover_model_spec(config.model_spec)
+        # 0. the model: an HF folder's (checkpoint.initial_load_path) or, without one, the recipe's
+        self.run_model = self._resolve_model(config)
+        config = self.config = dataclasses.replace(config, model=self.run_model.config)
 
         # 1. layout, validated before anything is built
         self.parallel_dims = ParallelDims.from_config(config.parallelism, self.world_size)
@@ -156,12 +178,14 @@ class Trainer(Configurable):
         # to 2 x cp.
         pd = self.parallel_dims
         cp_pieces = 2 if pd.cp > 1 else 1
-        self.data = config.data.build(
+        data_kwargs = dict(
             dp_rank=self.dp_rank,
             dp_world_size=self.dp_world,
             seq_multiple=cp_pieces * pd.cp * (pd.tp if pd.sp_enabled else 1),
             model_facts=self.spec.data_facts(config.model),
         )
+        # validation.split: the held-out samples leave the training stream
+        self.data = config.data.build(**data_kwargs, **config.validation.training_data_kwargs())
 
         # 3. model: meta -> parallelize -> materialise -> init or load
         with torch.device("meta"):
@@ -193,6 +217,12 @@ class Trainer(Configurable):
         self.model_has_aux_loss: bool | None = None  # learnt from the first step's output
         self.mtp_config = getattr(config.model, "mtp", None)
         """The model's multi-token-prediction block (None = off): the batch gets MTP targets, the loss its term."""
+        self.validator = config.validation.build(
+            model=self.model, loss_fn=self.loss_fn, device=self.device, training_data=config.data,
+            data_kwargs=data_kwargs, accepted_sources=self.spec.data_sources, prepare=self._prepare_micro_batch,
+            forward=self._forward_micro_batch, to_device=self._to_device, loss_context=self._loss_parallel,
+            sum_over_ranks=self._sum_over_token_ranks, mtp=self.mtp_config is not None,
+        )  # fmt: skip
         self.dump_folder = Path(config.dump_folder)
         self.checkpointer = config.checkpoint.build(
             dump_folder=self.dump_folder,
@@ -200,7 +230,7 @@ class Trainer(Configurable):
             optimizers=self.optimizers,
             lr_schedulers=self.lr_schedulers,
             states={"ema": self.ema},
-            global_states={"dataloader": self.data},
+            global_states={"dataloader": self.data, **({"validation": self.validator} if self.validator.enabled else {})},
             run_config=config,
         )
         resumed = self._resume()
@@ -213,9 +243,34 @@ class Trainer(Configurable):
             flops_per_token=self.flops_per_token,
             device=self.device,
             compute_dtype=torch.float32 if config.training.mixed_precision_param == "float32" else torch.bfloat16,
+            run_config=config,
         )
 
     # ------------------------------------------------------------------ construction helpers
+    def _resolve_model(self, config: Config) -> RunModel:
+        """The run's model config (``hf_model.resolve_run_model``): an HF folder's, read by the family's reader,
+        with the recipe's training-only options on top; a resumed run rebuilds the model it started with (the
+        copy of the folder's config.json in the dump folder)."""
+        ck = config.checkpoint
+        run_model = resolve_run_model(
+            self.spec, config.model, folder=ck.initial_load_path, explicit=config.explicit_model_fields,
+            dump_folder=config.dump_folder, resuming=ck.enable and has_checkpoint(Path(config.dump_folder) / ck.folder),
+            write_copy=self.rank == 0,
+        )  # fmt: skip
+        if run_model.folder is not None:
+            diff = run_model.differences
+            self._log(
+                f"model from {run_model.folder}/config.json"
+                + (f"; differs from the recipe in: {', '.join(diff)}" if diff else " (the recipe's model)")
+            )
+        if run_model.folder_changed and self.rank == 0:
+            logger.warning(
+                "%s/config.json changed since this run started: resuming the model the run started with "
+                "(%s/initial_model/config.json); the folder's weights are not read again",
+                run_model.folder, config.dump_folder,
+            )  # fmt: skip
+        return run_model
+
     def _validate_model_layout(self) -> None:
         validate_model_layout(self.spec, self.config.model, self.parallel_dims)
 
@@ -235,7 +290,7 @@ class Trainer(Configurable):
         """
         path = self.config.checkpoint.initial_load_path
         torch.manual_seed(self.config.debug.seed)
-        if path:
+        if path and not self.run_model.folder_changed:  # changed: the resumed checkpoint holds the started model
             self._load_hf_weights(path)
             return
         self._random_init()
@@ -266,6 +321,8 @@ class Trainer(Configurable):
             raise NotImplementedError(
                 f"model spec {self.spec.name!r} has no HF loader: drop --checkpoint.initial_load_path"
             )
+        if self.run_model.mtp_from_folder:  # the folder's MTP block must be there, not started afresh in silence
+            check_mtp_tensors(self.spec, self.run_model.hf_config, path, self.config.model)
         distributed = dist.is_initialized() and self.world_size > 1
         comm = self.config.comm
         if distributed:
@@ -298,7 +355,10 @@ class Trainer(Configurable):
         first_loss = last_loss = None
         losses: list[float] = []
         self.metrics.reset_timer()
+        stopped_early = False
         with cfg.profiling.build(dump_folder=self.dump_folder, global_step=self.step, device=self.device) as profiler:
+            if self.step == 0 and self.validator.due(0):  # where the run starts (validation.at_start)
+                self._validate()
             while self.step < cfg.training.steps:
                 self.step += 1
                 stats = self.train_step()
@@ -318,34 +378,35 @@ class Trainer(Configurable):
                 if self.step == 1 and self.world_size > 1:
                     set_pg_timeouts(cfg.comm.train_timeout_seconds, self.parallel_dims.world_mesh)
                 last = self.step == cfg.training.steps
-                if self.checkpointer.should_save(self.step, last_step=last):
+                best = self._validate() if self.validator.due(self.step, last_step=last) else False
+                stopped_early = self.validator.should_stop and not last
+                last = last or stopped_early
+                if self.checkpointer.should_save(self.step, last_step=last) or best:
                     assert_finite(self.model)  # never write a poisoned checkpoint
-                    self.checkpointer.save(self.step, last_step=last)
+                    self.checkpointer.save(self.step, last_step=last, force=best, best=best)
                 profiler.step()
+                if stopped_early:
+                    self._log(
+                        f"early stop at step {self.step}: no better val/loss in {cfg.validation.early_stop_patience} "
+                        f"evaluations (best {self.validator.best_loss:.4f} at step {self.validator.best_step})"
+                    )
+                    break
         if cfg.checkpoint.export_hf:
             self.export_hf(self.dump_folder / "hf")
-        return {"first_loss": first_loss, "last_loss": last_loss, "steps": self.step, "losses": losses}
+        return {"first_loss": first_loss, "last_loss": last_loss, "steps": self.step, "losses": losses,
+                "stopped_early": stopped_early}  # fmt: skip
+
+    def _validate(self) -> bool:
+        """Evaluate the validation data now and log it; returns whether to keep this step as the best checkpoint."""
+        result = self.validator.validate(self.step)
+        self.metrics.log_validation(self.step, result.record)
+        return result.improved and self.config.checkpoint.keep_best
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over this rank's micro-batches (dyn_bsz accumulation)."""
         cfg = self.config
-        pd = self.parallel_dims
-        cp_rank = pd.mesh_coordinate("cp") if pd.cp > 1 else 0
-        shard = getattr(self.model, "cp_shard", None)  # the batch order context parallel chose
-        cp_balanced = shard is not None and shard.balanced
-        # Context parallel: each CP rank keeps its pieces of every row (one chunk, or two in the balanced order),
-        # the model's own inputs split to match; split on the host so only the pieces are copied to the device.
-        # Multi-token prediction: the next ids and the targets two ahead, per document, on the host and before
-        # the CP split (which slices them like the labels).
         mtp = self.mtp_config
-        host_batches = [
-            split_batch_for_cp(
-                add_mtp_targets(mb, ignore_index=cfg.loss.ignore_index) if mtp is not None else mb,
-                cp_rank, pd.cp, split_inputs=self.model_cls.split_inputs_for_cp, model_keys=self.model_cls.input_keys,
-                balanced=cp_balanced,
-            )  # fmt: skip
-            for mb in self.data.next_step()
-        ]
+        host_batches = [self._prepare_micro_batch(mb) for mb in self.data.next_step()]
         # Exact global token mean: labelled tokens counted on the host (no device sync), one all-reduce.
         local_tokens = sum(int((mb["labels"] != cfg.loss.ignore_index).sum()) for mb in host_batches)
         local_inputs = sum(mb["input_ids"].numel() for mb in host_batches)
@@ -362,23 +423,17 @@ class Trainer(Configurable):
         aux_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         # An auxiliary loss (MoE load balancing) is a mean per forward: average it over the step's
         # forwards on every rank that holds different tokens (gradients are summed over those ranks).
+        # The MoE pools its statistics over the cp x tp ranks of a forward, so the loss is the same on each
+        # of them; its backward sums the cp copies only (distributed/token_split.py): weighting each by
+        # 1/cp here gives the one-process gradient.
         aux_scale = 1.0 / (len(micro_batches) * self._token_ranks())
         names = self.data.source_names  # a mixture: per-source token losses for the metrics
         per_source = SourceLossMeter(names, device=self.device, ignore_index=cfg.loss.ignore_index) if names else None
         n = len(micro_batches)
         for i, mb in enumerate(micro_batches):
             self._set_grad_sync(last=i == n - 1)
-            inputs = {k: mb[k] for k in self.model_cls.input_keys if k in mb}
             with self._loss_parallel():
-                out = self.model(
-                    mb["input_ids"],
-                    position_ids=mb["position_ids"],
-                    cu_seqlens=mb["cu_seqlens"],
-                    max_seqlen=mb["max_seqlen"],
-                    cu_seqlens_host=mb.get("cu_seqlens_host"),
-                    **inputs,
-                    **({"mtp_input_ids": mb["mtp_input_ids"]} if mtp is not None else {}),
-                )
+                out = self._forward_micro_batch(mb)
                 logits, aux_loss = split_output(out)
                 loss = self.loss_fn(logits, mb["labels"], num_tokens=global_tokens)
                 if per_source is not None:
@@ -437,6 +492,36 @@ class Trainer(Configurable):
             "expert_load": expert_load,
             "extra": extra,
         }
+
+    def _prepare_micro_batch(self, mb: dict[str, Any]) -> dict[str, Any]:
+        """The host side of one micro-batch (training and validation alike).
+
+        Multi-token prediction: the next ids and the targets two ahead, per document, on the host and before
+        the CP split (which slices them like the labels). Context parallel: each CP rank keeps its pieces of
+        every row (one chunk, or two in the balanced order), the model's own inputs split to match; split on
+        the host so only the pieces are copied to the device.
+        """
+        pd = self.parallel_dims
+        if self.mtp_config is not None:
+            mb = add_mtp_targets(mb, ignore_index=self.config.loss.ignore_index)
+        shard = getattr(self.model, "cp_shard", None)  # the batch order context parallel chose
+        return split_batch_for_cp(
+            mb, pd.mesh_coordinate("cp") if pd.cp > 1 else 0, pd.cp, split_inputs=self.model_cls.split_inputs_for_cp,
+            model_keys=self.model_cls.input_keys, balanced=shard is not None and shard.balanced,
+        )  # fmt: skip
+
+    def _forward_micro_batch(self, mb: dict[str, Any]) -> Any:
+        """The model's output on one device micro-batch (call inside ``_loss_parallel()``)."""
+        inputs = {k: mb[k] for k in self.model_cls.input_keys if k in mb}
+        return self.model(
+            mb["input_ids"],
+            position_ids=mb["position_ids"],
+            cu_seqlens=mb["cu_seqlens"],
+            max_seqlen=mb["max_seqlen"],
+            cu_seqlens_host=mb.get("cu_seqlens_host"),
+            **inputs,
+            **({"mtp_input_ids": mb["mtp_input_ids"]} if self.mtp_config is not None else {}),
+        )
 
     def _set_grad_sync(self, *, last: bool) -> None:
         set_gradient_reduction(
@@ -502,6 +587,9 @@ class Trainer(Configurable):
         so no rank holds the whole model (``hf_io.save_converted``).
 
         The run's one export path (``--checkpoint.export_hf`` writes ``<dump_folder>/hf`` after the last step).
+        Beside the weights and config.json, rank 0 writes what a server needs (``hf_serving``): the run's
+        tokenizer and chat template (``--data.tokenizer``, else the loaded folder's own), and the loaded folder's
+        generation and processor configs.
         """
         if self.spec.save_pretrained is None:
             raise NotImplementedError(
@@ -514,9 +602,20 @@ class Trainer(Configurable):
             sd = get_model_state_dict(self.model)  # our names; sharded DTensors, nothing gathered yet
             dtype = to_torch_dtype(self.config.checkpoint.export_dtype, field="checkpoint.export_dtype")
             self.spec.save_pretrained(self.model, path, state_dict=sd, dtype=dtype)  # every rank; config + passthrough
-            self._log(f"HF export written to {path}")
+        if self.rank == 0:
+            served = write_serving_files(path, folder=self.config.checkpoint.initial_load_path,
+                                         tokenizer=self._run_tokenizer())  # fmt: skip
+            self._log(f"HF export written to {path}" + (f" (with {', '.join(served)})" if served else ""))
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()
+
+    def _run_tokenizer(self) -> str | None:
+        """The tokenizer the run's data used: ``data.tokenizer``, else the first a mixture's source names."""
+        data = self.config.data
+        if data.tokenizer:
+            return data.tokenizer
+        named = [s.get("tokenizer", "") if isinstance(s, dict) else s.tokenizer for s in data.sources]
+        return next((t for t in named if t), None)
 
     def close(self) -> None:
         """Finish async saves, stop data workers, write the loss curve, destroy the process groups.
@@ -528,6 +627,7 @@ class Trainer(Configurable):
         """
         self.checkpointer.close()
         self.data.close()
+        self.validator.close()
         self.metrics.close()
         self._release_distributed()
 

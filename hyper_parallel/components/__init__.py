@@ -1,4 +1,4 @@
-"""Training components: optimizers (AdamW, Muon), LR schedules, loss, EMA, checkpointing, metrics."""
+"""Training components: optimizers (AdamW, Muon), LR schedules, loss, EMA, checkpointing, metrics, validation."""
 
 from hyper_parallel.components.checkpoint import CheckpointManager, ModelWrapper, assert_finite
 from hyper_parallel.components.ema import EMA
@@ -8,6 +8,7 @@ from hyper_parallel.components.metrics import MetricsProcessor, measure_peak_flo
 from hyper_parallel.components.muon import MuonWithAuxAdamW, zeropower_via_newtonschulz5
 from hyper_parallel.components.optimizer import OptimizersContainer, get_hyper_optimizer, split_muon_params
 from hyper_parallel.components.profiler import Profiler, ProfilingConfig
+from hyper_parallel.components.validate import ValidationResult, Validator
 
 __all__ = [
     "BaseLoss",
@@ -21,6 +22,8 @@ __all__ = [
     "OptimizersContainer",
     "Profiler",
     "ProfilingConfig",
+    "ValidationResult",
+    "Validator",
     "assert_finite",
     "get_hyper_optimizer",
     "lr_factor",

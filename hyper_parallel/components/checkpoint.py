@@ -9,6 +9,7 @@ Layout under ``<dump_folder>/<folder>``::
       run_config.json          the run config (rank 0)
     step-300.tmp/        a write in progress (or killed): never loaded, removed by the next save
     latest               text marker with the newest complete step (informative; loading scans)
+    best                 text marker with the step of the best validation loss (``keep_best``: never purged)
 
 (The HF export of a run is written by the trainer to ``<dump_folder>/hf``, not here.)
 
@@ -191,6 +192,8 @@ class CheckpointManager(Configurable):
         """Save every this many steps (and at the last step)."""
         keep_latest_k: int = 3
         """Keep only the newest K complete checkpoints; 0 keeps all."""
+        keep_best: bool = False
+        """Also save the step of every new best validation loss and keep the best one beside the newest K (marker file `best`); needs --validation.freq."""
         async_mode: Literal["disabled", "async"] = "disabled"
         """`async` writes in a background thread (dcp.async_save) and finalises before the next save."""
         initial_load_path: str | None = None
@@ -232,6 +235,7 @@ class CheckpointManager(Configurable):
         self.run_config = run_config
         self.last_saved_step: int | None = None
         self._pending: tuple[Any, int] | None = None
+        self._best_pending: int | None = None  # a step being saved as the new best (marked at finalize)
         # The async writer thread runs DCP's collectives; give it its own CPU (gloo) group so they
         # never interleave with the training collectives on the default group.
         self._pg = dist.new_group(backend="gloo") if config.enable and config.async_mode == "async" and _dist_on() else None
@@ -267,8 +271,26 @@ class CheckpointManager(Configurable):
         state.update(self.states)
         return state
 
-    def save(self, step: int, *, last_step: bool = False, force: bool = False) -> bool:
-        """Save step ``step`` if it is due (``interval``, ``last_step``) or ``force``; returns whether it did."""
+    def best_step(self) -> int | None:
+        """The step the ``best`` marker names (``keep_best``), or None."""
+        marker = self.folder / "best"
+        try:
+            m = _STEP_DIR.match(marker.read_text().strip())
+        except OSError:
+            return None
+        return int(m.group(1)) if m else None
+
+    def save(self, step: int, *, last_step: bool = False, force: bool = False, best: bool = False) -> bool:
+        """Save step ``step`` if it is due (``interval``, ``last_step``) or ``force``; returns whether it did.
+
+        ``best``: this step has the best validation loss so far: mark it (``best``) so purging keeps it.
+        """
+        if best:
+            self._best_pending = step
+            if step == self.last_saved_step:  # already on disk (an interval save of this step): just mark it
+                self.wait()
+                self._mark_best(step)
+                return False
         if not (force and self.config.enable) and not self.should_save(step, last_step=last_step):
             return False
         self.wait()
@@ -337,17 +359,32 @@ class CheckpointManager(Configurable):
             marker = self.folder / "latest.tmp"
             marker.write_text(f"step-{step}\n")
             os.replace(marker, self.folder / "latest")
+            if self._best_pending == step:
+                self._mark_best(step)
             self._purge()
             logger.info("checkpoint: saved step %d to %s", step, final)
         _barrier()
+
+    def _mark_best(self, step: int) -> None:
+        """Rank 0: point the ``best`` marker at ``step`` (atomically) and drop the previous best if it is old."""
+        self._best_pending = None
+        if _rank() != 0:
+            return
+        marker = self.folder / "best.tmp"
+        marker.write_text(f"step-{step}\n")
+        os.replace(marker, self.folder / "best")
+        logger.info("checkpoint: step %d has the best validation loss so far", step)
+        self._purge()
 
     def _purge(self) -> None:
         for stale in self.folder.glob("step-*.tmp"):  # killed writes; the current one was renamed
             shutil.rmtree(stale, ignore_errors=True)
         k = self.config.keep_latest_k
         if k > 0:
+            best = self.best_step() if self.config.keep_best else None
             for old in self.complete_steps()[:-k]:
-                shutil.rmtree(self.step_dir(old), ignore_errors=True)
+                if old != best:
+                    shutil.rmtree(self.step_dir(old), ignore_errors=True)
 
     # -- load ----------------------------------------------------------------------------------
     def latest_step(self) -> int | None:
@@ -388,6 +425,9 @@ class CheckpointManager(Configurable):
             saved = torch.load(glob, map_location="cpu", weights_only=False)
             for key, obj in self.global_states.items():
                 if key not in saved:
+                    if getattr(obj, "optional_state", False):  # e.g. validation turned on for a resumed run
+                        logger.warning("checkpoint: %s has no %r state: it starts fresh", glob, key)
+                        continue
                     raise KeyError(f"{glob} has no state {key!r} (it has {sorted(saved)})")
                 obj.load_state_dict(saved[key])
         side = path / f"rank{_rank()}.pt"

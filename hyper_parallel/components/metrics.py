@@ -13,7 +13,17 @@ processor records the loss of every step (for the curve) and, every ``log_freq``
   ``data/<name>/{tokens,share,epoch,bad_samples_skipped}`` and the trainer's ``loss/<name>``, which
   the console line shows compactly as ``src <name> <share>% <loss>, ...``).
 
-Only rank 0 writes files and console lines.
+``log_validation(step, record)`` emits a validation record (``val/loss``, ``val/ppl``, ``val/<source>/loss``,
+``val/loss_mtp`` ...; :mod:`.validate`) as its own line of ``metrics.jsonl`` (``{"step": N, "val/loss": ...}``),
+its own console line and TensorBoard scalars; the loss curve shows it beside the training loss.
+
+With ``--metrics.wandb`` every record also goes to a Weights & Biases run (project, run name, entity), whose
+config is the resolved run config. wandb reads its own environment as usual: ``WANDB_MODE=offline`` runs
+without a network (the run folder can be synced later), ``WANDB_DIR`` chooses where the run folder goes
+(default: the dump folder), ``WANDB_API_KEY`` logs in. A missing package or a run that cannot start is an
+error on every rank at start-up, not mid-run.
+
+Only rank 0 writes files, console lines and W&B records.
 """
 
 from __future__ import annotations
@@ -107,6 +117,57 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _start_wandb(config: MetricsProcessor.Config, dump_folder: Path, run_config: Any) -> Any:
+    """Rank 0 starts the W&B run; every rank learns whether it started, so a failure stops all of them now.
+
+    Returns the run on rank 0, None elsewhere.
+    """
+    run, error = None, None
+    if _rank() == 0:
+        try:
+            run = _init_wandb_run(config, dump_folder, run_config)
+        except (ImportError, RuntimeError) as e:
+            error = e
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [None if error is None else str(error)]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None and error is None:
+            error = RuntimeError(f"rank 0 could not start the W&B run: {box[0]}")
+    if error is not None:
+        raise error
+    return run
+
+
+def _init_wandb_run(config: MetricsProcessor.Config, dump_folder: Path, run_config: Any) -> Any:
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError(
+            "metrics.wandb=True needs the `wandb` package: pip install 'hyper-parallel[wandb]', or drop --metrics.wandb"
+        ) from e
+    resolved = None
+    if run_config is not None:
+        to_dict = getattr(run_config, "to_dict", None)
+        resolved = json.loads(json.dumps(to_dict() if callable(to_dict) else run_config, default=str))
+    kwargs: dict[str, Any] = {
+        "project": config.wandb_project,
+        "name": config.wandb_run_name or dump_folder.resolve().name,
+        "config": resolved,
+    }
+    if config.wandb_entity:
+        kwargs["entity"] = config.wandb_entity
+    if not os.environ.get("WANDB_DIR"):  # wandb's own variable wins; else the run folder sits in the dump folder
+        dump_folder.mkdir(parents=True, exist_ok=True)
+        kwargs["dir"] = str(dump_folder)
+    try:
+        return wandb.init(**kwargs)
+    except Exception as e:  # noqa: BLE001 - wandb raises many types (usage, auth, communication, timeouts)
+        raise RuntimeError(
+            f"W&B could not start the run ({type(e).__name__}: {e}): log in (`wandb login` or WANDB_API_KEY), run "
+            "offline with WANDB_MODE=offline (sync later with `wandb sync`), or drop --metrics.wandb"
+        ) from e
+
+
 class MetricsProcessor(Configurable):
     """Build with ``MetricsProcessor.Config(...).build(dump_folder=..., total_steps=N,
     flops_per_token=F, device=device)``; call ``log`` every step and ``close`` at the end."""
@@ -123,6 +184,14 @@ class MetricsProcessor(Configurable):
         """File in the dump folder that gets one JSON record per emitted log line."""
         plot_loss: bool = True
         """Write the loss curve of every step to loss_curve.png in the dump folder at close."""
+        wandb: bool = False
+        """Also log every record and the resolved run config to Weights & Biases (rank 0; the optional `wandb` package). WANDB_MODE=offline needs no network; WANDB_DIR sets the run folder's parent (default: the dump folder)."""
+        wandb_project: str = "hyper_parallel"
+        """W&B project of the run."""
+        wandb_run_name: str = ""
+        """W&B run name; empty = the dump folder's name."""
+        wandb_entity: str = ""
+        """W&B entity (user or team); empty = the account's default."""
 
     def __init__(
         self,
@@ -134,7 +203,9 @@ class MetricsProcessor(Configurable):
         peak_flops: float | None = None,
         device: torch.device | str | None = None,
         compute_dtype: torch.dtype = torch.bfloat16,
+        run_config: Any = None,
     ) -> None:
+        """``run_config``: the resolved run config (the W&B run's config)."""
         super().__init__(config)
         self.config: MetricsProcessor.Config = config
         if config.log_freq < 1:
@@ -148,8 +219,10 @@ class MetricsProcessor(Configurable):
         self.peak_flops = peak_flops
         self.is_writer = _rank() == 0
         self.loss_history: list[tuple[int, float]] = []
+        self.val_history: list[tuple[int, float]] = []
         self._jsonl = None
         self._tb = None
+        self._wandb = _start_wandb(config, self.dump_folder, run_config) if config.wandb else None
         if self.is_writer:
             self.dump_folder.mkdir(parents=True, exist_ok=True)
             self._jsonl = open(self.dump_folder / config.jsonl_name, "a", encoding="utf-8")  # noqa: SIM115
@@ -215,6 +288,45 @@ class MetricsProcessor(Configurable):
             self._emit(record)
         return record
 
+    def log_validation(self, step: int, record: Mapping[str, float]) -> dict[str, Any]:
+        """Emit one validation record (``val/...`` keys, :mod:`.validate`) after optimizer step ``step``;
+        ``val/time_s`` (the evaluation's seconds) is left out of the training throughput window."""
+        out: dict[str, Any] = {"step": step, **{k: float(v) for k, v in record.items()}}
+        # the evaluation's time is not training time: keep it out of the next record's tps, mfu and step time
+        self._t_window += out.get("val/time_s", 0.0)
+        if "val/loss" in out:
+            self.val_history.append((step, out["val/loss"]))
+        if not self.is_writer:
+            return out
+        parts = [f"val  {step:>6d}", f"loss {out.get('val/loss', float('nan')):.4f}", f"ppl {out.get('val/ppl', float('nan')):.2f}"]
+        if "val/best_loss" in out:
+            parts.append(f"best {out['val/best_loss']:.4f}")
+        if "val/loss_mtp" in out:
+            parts.append(f"mtp {out['val/loss_mtp']:.4f} top1 {100 * out.get('val/mtp/top1', 0.0):.1f}%")
+        sources = [
+            f"{k[len('val/') : -len('/loss')]} {v:.3f}"
+            for k, v in out.items()
+            if k.startswith("val/") and k.endswith("/loss") and k.count("/") == 2
+        ]
+        if sources:
+            parts.append("src " + ", ".join(sources))
+        logger.info(" | ".join(parts))
+        self._write(out)
+        return out
+
+    def _write(self, record: dict[str, Any]) -> None:
+        """One record to metrics.jsonl, TensorBoard and W&B (rank 0)."""
+        step = record["step"]
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+        scalars = {k: v for k, v in record.items() if k != "step"}
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
     def _emit(self, record: dict[str, Any]) -> None:
         step = record["step"]
         parts = [f"step {step:>6d}"]
@@ -241,13 +353,7 @@ class MetricsProcessor(Configurable):
         if self.total_steps:
             parts.append(f"eta {eta}")
         logger.info(" | ".join(parts))
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
-            self._jsonl.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step":
-                    self._tb.add_scalar(key, value, step)
+        self._write(record)
 
     def plot(self, path: str | os.PathLike | None = None) -> Path | None:
         """Write the per-step loss curve PNG (rank 0); returns its path."""
@@ -261,7 +367,11 @@ class MetricsProcessor(Configurable):
         FigureCanvasAgg(fig)  # Agg canvas without pyplot: no global backend state, no display needed
         ax = fig.add_subplot()
         steps, losses = zip(*self.loss_history)
-        ax.plot(steps, losses, linewidth=1.0)
+        ax.plot(steps, losses, linewidth=1.0, label="train")
+        if self.val_history:
+            val_steps, val_losses = zip(*self.val_history)
+            ax.plot(val_steps, val_losses, marker="o", markersize=3, linewidth=1.2, label="validation")
+            ax.legend()
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.grid(True, alpha=0.3)
@@ -279,3 +389,6 @@ class MetricsProcessor(Configurable):
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None

@@ -39,7 +39,8 @@ LEGACY_SECTIONS = ("model", "data", "train")
 
 _NEW_SECTIONS = (
     "model_spec", "model", "training", "parallelism", "activation_checkpoint", "compile", "comm", "debug",
-    "data", "optimizer", "lr_scheduler", "loss", "ema", "checkpoint", "metrics", "profiling", "dump_folder",
+    "data", "optimizer", "lr_scheduler", "loss", "ema", "checkpoint", "validation", "metrics", "profiling",
+    "dump_folder", "explicit_model_fields",
 )  # fmt: skip
 MIGRATION_DOC = "docs/migrations/v2_migration.md"
 
@@ -286,8 +287,8 @@ LEGACY_KEYS: dict[str, LegacyKey] = {
     "train.ema_update_every": _same("ema.update_every", int),
     "train.log_steps": _same("metrics.log_freq", int),
     "train.use_tensorboard": _same("metrics.enable_tensorboard", bool),
-    "train.use_wandb": _none("there is no W&B integration: metrics go to metrics.jsonl (and TensorBoard with "
-                             "--metrics.enable_tensorboard)"),
+    "train.use_wandb": _same("metrics.wandb", bool, "same value (project, run name and entity: --metrics.wandb_project, "
+                             "--metrics.wandb_run_name, --metrics.wandb_entity)"),
     "train.init_device": _none("the model is always built on the meta device and materialised after sharding; remove it"),
     "train.output_dir": _same("dump_folder", str),
     "train.save_steps": LegacyKey(("checkpoint.enable", "checkpoint.interval"), "`N > 0` -> `checkpoint.enable=True, "

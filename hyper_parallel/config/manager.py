@@ -82,9 +82,27 @@ def bool_values_to_flags(argv: list[str], config: Any) -> list[str]:
             out.append("--" + ".".join([*parents, leaf if _BOOL_WORDS[value] else f"no_{leaf}"]))
             i += width
             continue
+        if arg.startswith("--") and value in _BOOL_WORDS and _is_optional_bool(config, path):
+            # `bool | None` (e.g. --model.use_mtp) is a choice of True / False / None: accept true/false/1/0 too
+            out += [arg.split("=", 1)[0], str(_BOOL_WORDS[value])]
+            i += width
+            continue
         out.append(arg)
         i += 1
     return out
+
+
+def _is_optional_bool(config: Any, path: str) -> bool:
+    """Whether the field at dotted ``path`` is annotated ``bool | None``."""
+    *parents, leaf = path.split(".")
+    node = _field_value(config, ".".join(parents)) if parents else config
+    if not dataclasses.is_dataclass(node):
+        return False
+    try:
+        hint = typing.get_type_hints(type(node)).get(leaf)
+    except Exception:  # noqa: BLE001 - unresolvable annotations
+        return False
+    return set(typing.get_args(hint)) == {bool, type(None)}
 
 
 def available_modules() -> list[str]:
@@ -216,6 +234,14 @@ def _apply(node: Any, overrides: dict[str, Any], *, prefix: str, source: str) ->
             if not isinstance(value, dict):
                 raise ConfigError(f"{source}: {full!r} is a section; give it a mapping, not {value!r}")
             _apply(current, value, prefix=full + ".", source=source)
+            setattr(node, key, _reconstructed(current, where=f"{source}: {full!r}"))
+        elif current is None and isinstance(value, dict) and _section_class(node, key) is not None:
+            # e.g. `[model.mtp]` on a recipe without an MTP block: there is no section to set fields of
+            options = [n for n in names if key in n and n != key]
+            hint = f"; use {' / '.join(prefix + n for n in options)} instead" if options else ""
+            raise ConfigError(
+                f"{source}: {full!r} is null in this config, so its fields cannot be set one by one{hint}"
+            )
         elif isinstance(current, list) and not current and isinstance(value, list) and _item_class(node, key):
             # an empty list of sub-configs (`data.sources`): the run file gives the items
             item_cls = _item_class(node, key)
@@ -237,6 +263,30 @@ def _apply(node: Any, overrides: dict[str, Any], *, prefix: str, source: str) ->
             setattr(node, key, _check_value(f"{source}: {full!r}", current, value))
 
 
+def _reconstructed(section: Any, *, where: str) -> Any:
+    """``section`` constructed again from its (overridden) fields when its class derives values in
+    ``__post_init__`` (the model's options are pushed into its layers there), so a run file gives what the
+    same flags on the command line give."""
+    if not hasattr(type(section), "__post_init__"):
+        return section
+    try:
+        return dataclasses.replace(section)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {e}") from e
+
+
+def _section_class(node: Any, key: str) -> type | None:
+    """The dataclass ``X`` of a field annotated ``X | None`` (None otherwise)."""
+    try:
+        hint = typing.get_type_hints(type(node)).get(key)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: not a sub-config
+        return None
+    classes = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
+    return classes[0] if classes else None
+
+
 def _item_class(node: Any, key: str) -> type | None:
     """The dataclass ``X`` of a field annotated ``list[X]`` (None otherwise)."""
     try:
@@ -245,6 +295,74 @@ def _item_class(node: Any, key: str) -> type | None:
         return None
     args = typing.get_args(hint) if typing.get_origin(hint) is list else ()
     return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
+
+
+def _initial_load_path(argv: Sequence[str], data: dict[str, Any] | None) -> str | None:
+    """``--checkpoint.initial_load_path`` of the command line (else of the run file), without consuming it."""
+    name = "--checkpoint.initial_load_path"
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    section = (data or {}).get("checkpoint")
+    return section.get("initial_load_path") if isinstance(section, dict) else None
+
+
+def _has_recipe(module: str, recipe: str) -> bool:
+    try:
+        registry = _import_registry(module)
+    except ConfigError:
+        return False
+    return callable(getattr(registry, recipe, None))
+
+
+def _module_from_folder(folder: str | None, recipe: str) -> str | None:
+    """The model package of an HF folder (``model_type`` in the registry's table), the one with ``recipe``."""
+    from hyper_parallel.protocols.hf_io import read_hf_config
+    from hyper_parallel.protocols.hf_model import is_hf_folder, spec_for_hf
+
+    if not is_hf_folder(folder):
+        return None
+    return spec_for_hf(read_hf_config(folder), where=str(folder), has_recipe=lambda name: _has_recipe(name, recipe))
+
+
+def _check_folder_family(config: Any) -> None:
+    """A run whose ``checkpoint.initial_load_path`` is an HF folder of another family than its model: an error."""
+    from hyper_parallel.protocols.hf_io import read_hf_config
+    from hyper_parallel.protocols.hf_model import is_hf_folder, spec_for_hf
+
+    folder = getattr(getattr(config, "checkpoint", None), "initial_load_path", None)
+    spec = getattr(config, "model_spec", None)
+    if spec and is_hf_folder(folder):
+        spec_for_hf(read_hf_config(folder), where=f"--checkpoint.initial_load_path {folder}", spec_name=spec)
+
+
+def _cli_model_fields(argv: Sequence[str]) -> set[str]:
+    """Dotted paths under ``model`` that command-line flags set (``--model.x.y v``, ``--model.no_flag``)."""
+    out = set()
+    for arg in argv:
+        if arg.startswith("--model."):
+            *parents, leaf = arg[len("--model.") :].split("=", 1)[0].split(".")
+            out.add(".".join([*parents, leaf.removeprefix("no_")]))
+    return out
+
+
+def _run_file_model_fields(data: dict[str, Any], path: str) -> set[str]:
+    """Dotted paths under ``model`` that a run file sets (``data``: already in the new layout)."""
+    out: set[str] = set()
+
+    def walk(node: Any, prefix: str) -> None:
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else None
+        if items is None or (isinstance(node, list) and not all(isinstance(v, dict) for v in node)):
+            out.add(prefix)
+            return
+        for key, value in items:
+            walk(value, f"{prefix}.{key}" if prefix else str(key))
+
+    if isinstance(data.get("model"), dict):
+        walk(data["model"], "")
+    return out
 
 
 class ConfigManager:
@@ -261,19 +379,26 @@ class ConfigManager:
         module = _pop_option(argv, "--module")
         recipe = _pop_option(argv, "--config")
         run_file = _pop_option(argv, "--config-file")
+        data = load_run_file(run_file) if run_file is not None else None
+        if module is None and recipe is not None:
+            module = _module_from_folder(_initial_load_path(argv, data), recipe)
         if module is None or recipe is None:
             raise ConfigError(
-                "both --module and --config are required, e.g. "
+                "both --module and --config are required (--module may be left out when "
+                "--checkpoint.initial_load_path is an HF folder), e.g. "
                 "--module glm_image_moe --config glm_image_moe_debug; "
                 f"available modules: {', '.join(available_modules())}"
             )
         config = resolve_recipe(module, recipe)()
         if not dataclasses.is_dataclass(config):
             raise ConfigError(f"recipe {module}.{recipe} must return a config dataclass, got {type(config).__name__}")
-        if run_file is not None:
-            data = load_run_file(run_file)
-            config = self._apply_run_file(config, data, run_file)
+        explicit: set[str] = set()
+        if data is not None:
+            data = self._translated(data, run_file)  # once: the v1 translation warns
+            config = apply_overrides(config, data, source=f"--config-file {run_file}")
+            explicit |= _run_file_model_fields(data, run_file)
         argv = bool_values_to_flags(argv, config)
+        explicit |= _cli_model_fields(argv)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # tyro warns about subclass defaults it handles fine
             config = tyro.cli(
@@ -281,24 +406,31 @@ class ConfigManager:
                 default=config,
                 args=argv,
                 prog=f"--module {module} --config {recipe}",
-                description=f"Run config of recipe {module}.{recipe}; every field can be overridden.",
+                description=(
+                    f"Run config of recipe {module}.{recipe}; every field listed can be overridden. The model's "
+                    "per-layer tree (model.layers, model.mtp, ...) is not on the command line: the model-level "
+                    "options set every layer (--model.rms_norm_eps ...); one layer's field is set from a run "
+                    "file (--config-file run.toml with [model.layers.3.mlp] num_experts = 8)."
+                ),
                 config=(tyro.conf.AvoidSubcommands,),
                 use_underscores=True,
             )
+        if any(f.name == "explicit_model_fields" for f in dataclasses.fields(config)):
+            config = dataclasses.replace(config, explicit_model_fields=tuple(sorted(explicit)))
+        _check_folder_family(config)
         validate = getattr(config, "validate", None)
         if callable(validate):
             validate()
         self.config, self.module, self.recipe = config, module, recipe
         return config
 
-    def _apply_run_file(self, config: Any, data: dict[str, Any], path: str) -> Any:
+    @staticmethod
+    def _translated(data: dict[str, Any], path: str) -> dict[str, Any]:
+        """A run file's data in the new layout (a v1 three-section YAML translated, with its warning)."""
         # Imported only for a run file: the v1-YAML translation is a feature off the training import path.
         from hyper_parallel.config import legacy
 
-        source = f"--config-file {path}"
-        if legacy.is_legacy_layout(data):
-            data = legacy.translate_legacy(data, source=source)
-        return apply_overrides(config, data, source=source)
+        return legacy.translate_legacy(data, source=f"--config-file {path}") if legacy.is_legacy_layout(data) else data
 
 
 def main(argv: Sequence[str] | None = None) -> None:

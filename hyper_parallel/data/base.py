@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
 from hyper_parallel.config.configurable import Configurable
+from hyper_parallel.data.holdout import Holdout
 from hyper_parallel.data.source_config import SourceConfig
 
 __all__ = ["DATA_SOURCES", "BaseDataLoader", "DataConfig", "DataStateMismatch"]
@@ -54,6 +55,8 @@ class BaseDataLoader(Configurable):
     source: ClassVar[str] = ""
     mixes_sources: ClassVar[bool] = False
     """True for the loader that serves ``data.sources`` (a weighted mixture of sources)."""
+    supports_holdout: ClassVar[bool] = False
+    """Whether the loader can take a held-out split (``holdout=``, :mod:`.holdout`): shard-backed sources."""
     source_names: tuple[str, ...] = ()
     """A mixture's source names: its micro-batches carry ``source_ids`` (int64 ``[B, T]``, an index into
     this tuple per position); empty for a single source (no ``source_ids``)."""
@@ -140,11 +143,21 @@ class BaseDataLoader(Configurable):
         dp_world_size: int = 1,
         seq_multiple: int = 1,
         model_facts: Mapping[str, Any] | None = None,
+        holdout: Holdout | None = None,
+        single_pass: bool = False,
     ) -> None:
         """``seq_multiple``: what the parallel layout needs micro-batch lengths to be a multiple of
         (context parallel x sequence parallel); combined with ``pad_to_multiple_of`` by lcm.
-        ``model_facts``: what the model says about its inputs (``ModelSpec.data_facts``)."""
+        ``model_facts``: what the model says about its inputs (``ModelSpec.data_facts``).
+        ``holdout``: read one side of a held-out split (``--validation.split``).
+        ``single_pass``: one epoch, then the data ends (a validation pass; :attr:`pass_micro_batches`)."""
         super().__init__(config)
+        if holdout is not None and not self.supports_holdout:
+            raise ValueError(
+                f"validation.split needs a shard-backed training source (direct_token, text, vision_language or "
+                f"data.sources), not data.source={config.source!r}: give the validation data as validation.data"
+            )
+        self.holdout, self.single_pass = holdout, single_pass
         if self.source and config.source != self.source:  # the mixture (source "") serves data.sources
             raise ValueError(f"{type(self).__name__} serves data.source={self.source!r}, got {config.source!r}")
         self.model_facts: dict[str, Any] = dict(model_facts or {})
@@ -181,6 +194,12 @@ class BaseDataLoader(Configurable):
         if c.seed < 0:
             raise ValueError(f"data.seed must be >= 0, got {c.seed}")
         return global_tokens // c.max_tokens_per_microbatch
+
+    @property
+    def pass_micro_batches(self) -> int | None:
+        """Global micro-batches of one pass over the data (a ``single_pass`` loader); None when the data has
+        no end the loader knows of. Micro-batches past the end repeat earlier ones (a validator masks them)."""
+        return None
 
     def fact(self, name: str) -> Any:
         """A model fact this source needs; a clear error when the model does not give it."""

@@ -13,8 +13,8 @@ without it): its reasoning block, content, tool calls and the special token that
 each assistant turn. How the spans are found, with no per-model rule:
 
 - a template with ``{% generation %}`` blocks marks them itself: the mask is transformers'
-  ``apply_chat_template(..., return_assistant_tokens_mask=True)`` (every token from the one holding a
-  block's first character to the one holding its last);
+  ``apply_chat_template(..., return_assistant_tokens_mask=True)``: every token whose character offsets
+  overlap a block (so all byte tokens of a multi-byte character at either end of a block train);
 - otherwise from the rendered text. For assistant message ``i``: (1) its *region*: the conversation
   is rendered twice more with that message's content replaced by two different sentinels (its
   reasoning and tool calls removed); the characters where those renderings differ from the real one
@@ -209,22 +209,23 @@ def _first_token_at(offsets: Sequence[tuple[int, int]], char: int) -> int:
     return len(offsets)
 
 
-def _token_of_char(offsets: Sequence[tuple[int, int]], char: int) -> int | None:
-    """transformers' ``char_to_token``: the first token whose offsets hold ``char``."""
-    for t, (start, end) in enumerate(offsets):
-        if start <= char < end:
-            return t
-    return None
-
-
 def _generation_mask(n: int, offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """transformers' ``return_assistant_tokens_mask``: every token whose offsets overlap a span.
+
+    Byte-level BPE gives each byte token of a multi-byte character that character's offsets, so a span
+    ending (or starting) in such a character holds all of its byte tokens, not only the first one (which
+    is what "the token holding the span's last character" would give). Spans and offsets are in order:
+    one pass, as transformers does it (same loop, same tie-breaks at span edges).
+    """
     mask = np.zeros(n, dtype=bool)
-    for start, end in spans:
-        first = _token_of_char(offsets, start)
-        last = _token_of_char(offsets, end - 1)
-        if first is None:  # transformers stops at a span it cannot place (truncation)
+    k = 0
+    for t, (token_start, token_end) in enumerate(offsets):
+        while k < len(spans) and token_start >= spans[k][1]:
+            k += 1
+        if k == len(spans):
             break
-        mask[first : (last + 1 if last is not None else n)] = True
+        if token_end > spans[k][0]:
+            mask[t] = True
     return mask
 
 

@@ -205,6 +205,7 @@ class MixtureDataLoader(WorkerReads, BaseDataLoader):
     whenever ``data.sources`` is set."""
 
     mixes_sources = True
+    supports_holdout = True  # each source holds out its own records (the children get ``holdout``)
 
     def __init__(self, config: BaseDataLoader.Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
@@ -289,8 +290,11 @@ class MixtureDataLoader(WorkerReads, BaseDataLoader):
         return s, ReadItem(g, tuple(child.table.span(ref) for ref in child._planner.bin(k)))
 
     def _finish(self, g: int, batch: dict[str, Any]) -> dict[str, Any]:
-        """Add ``source_ids`` and apply the source's ``loss_on``."""
-        s = self._schedule.entry(g)[0]
+        return self.finish_source(self._schedule.entry(g)[0], batch)
+
+    def finish_source(self, s: int, batch: dict[str, Any]) -> dict[str, Any]:
+        """A micro-batch of source ``s`` (read by its child loader) as the mixture gives it: ``source_ids``
+        added and the source's ``loss_on`` applied (a validator reads each source's own pass this way)."""
         labels = batch["labels"]
         loss_on = self.sources[s].loss_on
         if loss_on in ("image", "text"):

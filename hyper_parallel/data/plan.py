@@ -9,7 +9,8 @@ a record:
    ``window`` records; window ``k`` is permuted with ``(seed, e, k)`` when ``shuffle`` is on.
 2. **Validation.** A record the source marks bad (from its index statistics) raises with
    ``on_bad_sample=error`` or is dropped, and counted per kind in the first epoch (so each bad
-   record counts once); the counts are part of the plan.
+   record counts once); the counts are part of the plan. A record outside the loader's side of a
+   held-out split (kind code -1, :mod:`.holdout`) is skipped silently.
 3. **Packing.** Good records (or their pieces, when long documents are split) go through one
    :class:`~hyper_parallel.data.packing.FirstFitPacker` that runs across windows and epochs; the
    bins it emits are the global micro-batches ``g = 0, 1, 2, ...`` in order.
@@ -18,6 +19,9 @@ A :class:`Cursor` is the planner's state before a window (epoch, window, the num
 micro-batch, the open bins, the bad-sample counts): a few hundred bytes. Restarting from the cursor
 of the window that emitted micro-batch ``g`` re-plans one window and skips to ``g``, so jumping to
 any step costs no replay of earlier ones.
+
+**Single pass** (``epochs=1``, a validation pass): after the last window of the last epoch the open bins
+are emitted too, and the plan ends; :meth:`Planner.pass_length` counts its micro-batches.
 """
 
 from __future__ import annotations
@@ -128,8 +132,11 @@ class Planner:
         source: str,
         cursor: Cursor | None = None,
         log: Callable[[str], None] | None = None,
+        epochs: int | None = None,
     ) -> None:
+        """``epochs``: None plans epoch after epoch (training); a number ends the plan after that many."""
         self.table, self.seed, self.max_tokens, self.open_bins = table, seed, max_tokens, open_bins
+        self.epochs = epochs
         self.window, self.shuffle, self.split_long, self.skip_bad = max(1, window), shuffle, split_long, skip_bad
         self.source, self.log = source, log
         self.num_records = int(table.num_records.sum())
@@ -146,6 +153,8 @@ class Planner:
         if self._planned and g < self._planned[0].first_bin or not self._planned and g < self._next.next_bin:
             raise ValueError(f"micro-batch {g} was released from the plan (the planner starts at a later one)")
         while not self._planned or g >= self._planned[-1].end_bin:
+            if self.exhausted:
+                raise IndexError(f"micro-batch {g} is past the end of the single pass ({self._next.next_bin} micro-batches)")
             self._plan_next()
         for w in self._planned:
             if w.first_bin <= g < w.end_bin:
@@ -155,6 +164,26 @@ class Planner:
     def bin(self, g: int) -> list[Ref]:
         w = self.window_of(g)
         return w.bins[g - w.first_bin]
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether a plan of ``epochs`` epochs has emitted its last micro-batch."""
+        return self.epochs is not None and self._next.epoch >= self.epochs
+
+    def pass_length(self) -> int:
+        """Micro-batches of a plan of ``epochs`` epochs, counted on a fresh copy of this planner (reads
+        only the indexes; this planner is not advanced)."""
+        if self.epochs is None:
+            raise ValueError("pass_length() needs a planner of a fixed number of epochs")
+        copy = Planner(
+            self.table, seed=self.seed, max_tokens=self.max_tokens, open_bins=self.open_bins, window=self.window,
+            shuffle=self.shuffle, split_long=self.split_long, skip_bad=self.skip_bad, source=self.source,
+            epochs=self.epochs,
+        )  # fmt: skip
+        while not copy.exhausted:
+            copy._plan_next()
+            copy._planned.clear()
+        return copy._next.next_bin
 
     def release(self, g: int) -> None:
         """Forget windows whose micro-batches all come before ``g``."""
@@ -205,6 +234,8 @@ class Planner:
         items: list[tuple[int, Ref]] = []
         max_tokens = self.max_tokens
         for s, r, n, kind in zip(shards, records, lengths, kinds):
+            if kind < 0:  # the other side of a held-out split
+                continue
             if kind:
                 name = self.table.kinds[kind - 1]
                 if not self.skip_bad:
@@ -233,6 +264,9 @@ class Planner:
                     f"({self.num_records} records, skipped: {bad}): check the data and the skipped-sample log"
                 )
             epoch, window, good = epoch + 1, 0, 0
+            if self.epochs is not None and epoch >= self.epochs:  # the end of a single pass: flush the open bins
+                bins += [[ref for _, ref in b] for b in packer.bins if b]
+                packer.bins, packer.used = [], []
         after = Cursor(
             epoch=epoch,
             window=window,

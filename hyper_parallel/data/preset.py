@@ -95,6 +95,10 @@ class PresetDataLoader(BaseDataLoader):
         ]
         self._file = f"{os.path.basename(path)}:{os.path.getsize(path)}"
 
+    @property
+    def pass_micro_batches(self) -> int | None:
+        return len(self.batches) if self.single_pass else None
+
     def _micro_batches(self, gs: range) -> list[dict[str, Any]]:
         return [dict(self.batches[g % len(self.batches)]) for g in gs]
 

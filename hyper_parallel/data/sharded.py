@@ -23,6 +23,7 @@ record (:meth:`_codec`).
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ import numpy as np
 import torch.utils.data
 
 from hyper_parallel.data.bad_samples import BadSample, BadSampleError, bad_sample_message
+from hyper_parallel.data.holdout import Holdout
 from hyper_parallel.data.base import BaseDataLoader
 from hyper_parallel.data.index import IndexedShard, IndexSpec, ShardIndex, ensure_indexes, load_index, load_stats
 from hyper_parallel.data.packing import Document
@@ -137,7 +139,10 @@ class ShardTable:
         kinds: tuple[str, ...],
         reader: MicroBatchReader,
         cache_size: int = 64,
+        holdout: Holdout | None = None,
     ) -> None:
+        """``holdout``: records outside this side of a held-out split get kind code -1 (the planner skips them)."""
+        self.holdout = holdout
         self.shards = list(shards)
         self.spec, self.classify, self.kinds, self.reader, self.cache_size = spec, classify, kinds, reader, cache_size
         self.num_records = np.array([s.num_records for s in self.shards], np.int64)
@@ -153,7 +158,11 @@ class ShardTable:
         if units is None:
             stats = load_stats(self.shards[shard].index_path, self.spec)
             self._check(shard, len(stats["length"]))
-            units = (stats["length"].astype(np.int32), self.classify(stats).astype(np.int8))
+            kinds = self.classify(stats).astype(np.int8)
+            if self.holdout is not None:
+                name = os.path.basename(self.shards[shard].shard)
+                kinds = np.where(self.holdout.keeps(name, self.index(shard).keys), kinds, np.int8(-1)).astype(np.int8)
+            units = (stats["length"].astype(np.int32), kinds)
             self._units[shard] = units
         return units
 
@@ -242,6 +251,7 @@ class ShardedDataLoader(WorkerReads, BaseDataLoader):
 
     bad_kinds: tuple[str, ...] = ()
     """Every kind :meth:`_classify` can report (code ``i + 1`` is ``bad_kinds[i]``)."""
+    supports_holdout = True
 
     def __init__(self, config: BaseDataLoader.Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
@@ -271,11 +281,15 @@ class ShardedDataLoader(WorkerReads, BaseDataLoader):
             if self.dp_rank == 0:
                 logger.warning("skipped %s", message)
         self.table = ShardTable(
-            readable, self.index_spec, classify=self._classify, kinds=self.bad_kinds, reader=self._reader
-        )
+            readable, self.index_spec, classify=self._classify, kinds=self.bad_kinds, reader=self._reader,
+            holdout=self.holdout,
+        )  # fmt: skip
         if c.on_bad_sample == "error":
             self._check_every_record()
+        if self.holdout is not None:
+            self._check_holdout()
         self._planner = self._new_planner(None)
+        self._pass_length: int | None = None
 
     # -- what a source provides ----------------------------------------------------------------
     def _prepare(self) -> None:
@@ -298,13 +312,24 @@ class ShardedDataLoader(WorkerReads, BaseDataLoader):
         """``on_bad_sample=error``: fail before training on the first bad record (from the indexes alone)."""
         for shard in range(len(self.table.shards)):
             kinds = self.table.units(shard)[1]
-            bad = np.flatnonzero(kinds)
+            bad = np.flatnonzero(kinds > 0)
             if len(bad):
                 name = self.bad_kinds[int(kinds[bad[0]]) - 1]
                 raise BadSampleError(
                     self.table.describe(shard, int(bad[0]), name)
                     + ". Fix the data, or set --data.on_bad_sample skip to drop and count such samples."
                 )
+
+    def _check_holdout(self) -> None:
+        """A side of a held-out split must keep at least one record (a small corpus and a small fraction)."""
+        kept = sum(int((self.table.units(s)[1] >= 0).sum()) for s in range(len(self.table.shards)))
+        if kept == 0:
+            total = int(self.table.num_records.sum())
+            raise ValueError(
+                f"validation.split={self.holdout.fraction} leaves the {self.holdout.side} side of the {self.codec.label} "
+                f"data ({self.config.path or 'the toy corpus'}) without a record ({total} records in all): "
+                + ("raise the fraction" if self.holdout.side == "validation" else "lower the fraction")
+            )
 
     # -- plan ----------------------------------------------------------------------------------
     def _new_planner(self, cursor: Cursor | None) -> Planner:
@@ -322,15 +347,33 @@ class ShardedDataLoader(WorkerReads, BaseDataLoader):
             source=self.codec.label,
             cursor=cursor,
             log=log,
+            epochs=1 if self.single_pass else None,
         )
 
+    @property
+    def pass_micro_batches(self) -> int | None:
+        if not self.single_pass:
+            return None
+        if self._pass_length is None:
+            self._pass_length = self._planner.pass_length()
+        return self._pass_length
+
+    def _clamp(self, g: int) -> int:
+        """A single pass repeats its last micro-batch past its end (the validator masks those)."""
+        return min(g, self.pass_micro_batches - 1) if self.single_pass else g
+
     def _item(self, g: int) -> ReadItem:
-        return ReadItem(g, tuple(self.table.span(ref) for ref in self._planner.bin(g)))
+        return ReadItem(g, tuple(self.table.span(ref) for ref in self._planner.bin(self._clamp(g))))
+
+    def record_ids(self, g: int) -> list[str]:
+        """Sample ids (``<shard file name>/<record key>``, :mod:`.holdout`) of global micro-batch ``g``'s
+        records, in packing order (a split long document's pieces repeat its id)."""
+        return [f"{os.path.basename(span.shard)}/{span.key}" for span in self._item(g).records]
 
     # -- reading -------------------------------------------------------------------------------
     def _micro_batches(self, gs: range) -> list[dict[str, Any]]:
         out = self._read(gs)
-        self._planner.release(gs[0] + self.global_micro_batches - self.dp_rank * self.micro_batches_per_step - 1)
+        self._planner.release(self._clamp(gs[0] + self.global_micro_batches - self.dp_rank * self.micro_batches_per_step - 1))
         return out
 
     # -- state ---------------------------------------------------------------------------------
@@ -351,6 +394,8 @@ class ShardedDataLoader(WorkerReads, BaseDataLoader):
             "shuffle_buffer": c.shuffle_buffer,
             "packing_bins": c.packing_bins,
             "split_long_documents": c.split_long_documents,
+            # only when set: checkpoints of runs without a split keep resuming
+            **({"holdout": self.holdout.order()} if self.holdout is not None else {}),
         }
 
     def _plan_state(self) -> dict[str, Any] | None:

@@ -7,8 +7,12 @@ one-rank world, so the rest of the code never special-cases "not distributed".
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import math
 import os
 import random
+from collections.abc import Iterator
 from datetime import timedelta
 
 import numpy as np
@@ -20,15 +24,23 @@ from hyper_parallel.config.training import CommConfig
 from hyper_parallel.distributed.teardown import release_tracked_meshes
 
 __all__ = [
+    "MAX_INTRA_OP_THREADS",
+    "available_cpus",
+    "default_intra_op_threads",
     "destroy_distributed",
     "device_type",
     "get_device",
     "init_distributed",
+    "intra_op_threads",
     "resolve_backend",
     "set_determinism",
     "set_pg_timeouts",
     "world_info",
 ]
+
+MAX_INTRA_OP_THREADS = 8
+"""At most this many intra-op threads per rank unless ``OMP_NUM_THREADS`` says otherwise: a rank's host-side
+work (a GPU run) gains little from more, and a CPU run on a big machine can ask for more explicitly."""
 
 
 def device_type() -> str:
@@ -127,3 +139,61 @@ def set_determinism(seed: int, *, deterministic: bool = False, rank_offset: int 
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on: its affinity mask, and the cgroup v2 CPU quota when one is set
+    (a container limited to 2 CPUs on a 64-core host counts 2)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cpus = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cpus)
+
+
+def default_intra_op_threads(*, cpus: int, local_world_size: int) -> int:
+    """Intra-op threads per rank when the user set none: the CPUs left after one (for the data loader, the
+    launcher and whatever else runs on the machine) shared by the node's ranks, 1 to ``MAX_INTRA_OP_THREADS``.
+
+    Why not torch's default (every core, in every rank): OpenMP threads spin at each parallel region's
+    barrier, so a team wider than the idle cores collapses. A plain ``python -m hyper_parallel.train`` on a
+    busy 2-core box ran 19x slower with torch's 2 threads than with 1 (torchrun sets ``OMP_NUM_THREADS=1``
+    for several ranks; plain python sets nothing).
+    """
+    return max(1, min(MAX_INTRA_OP_THREADS, (cpus - 1) // max(1, local_world_size)))
+
+
+@contextlib.contextmanager
+def intra_op_threads(log: logging.Logger | None = None) -> Iterator[int]:
+    """Run the block with a sane intra-op thread count (``torch.set_num_threads``) and log it once.
+
+    ``OMP_NUM_THREADS`` set: torch already follows it and it is kept. Unset: ``default_intra_op_threads``
+    of ``available_cpus()`` and torchrun's ``LOCAL_WORLD_SIZE``. The caller's count is restored after (an
+    in-process run leaves its caller's threads as they were). Device-agnostic: every rank has host work.
+    """
+    before = torch.get_num_threads()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    user = os.environ.get("OMP_NUM_THREADS")
+    if user:
+        threads, why = before, f"OMP_NUM_THREADS={user}"
+    else:
+        cpus = available_cpus()
+        threads = default_intra_op_threads(cpus=cpus, local_world_size=local_world)
+        why = (
+            f"{cpus} CPUs for {local_world} local rank(s), one left free, at most {MAX_INTRA_OP_THREADS}; "
+            "set OMP_NUM_THREADS to choose"
+        )
+    if log is not None:
+        log.info("intra-op threads: %d per rank (%s)", threads, why)
+    torch.set_num_threads(threads)
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(before)

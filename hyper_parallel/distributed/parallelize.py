@@ -13,7 +13,8 @@ ignores frozen parameters). Inside a layer, parameters whose gradients differ ac
 on a mesh that includes tp, so FSDP's SUM completes them: under TP the replicated weights inside TP
 blocks (MLA's latent projections and norms: their activation gradients are partial sums), and, as the
 MoE runs on the rank's sequence shard, the router, the routed experts and any other plain MoE weight
-(a shared-expert gate). With EP the routed experts get a
+(a shared-expert gate). Statistics over a forward's tokens (the MoE aux loss) are summed over the cp x tp
+ranks that split them (``token_split.py``). With EP the routed experts get a
 unit on ``efsdp``, sharded on dim 1. A bf16 run keeps routers in fp32 units.
 Gradients are summed, not averaged, over data-parallel ranks (see ``fsdp.py``).
 """
@@ -43,6 +44,7 @@ from hyper_parallel.distributed.fsdp import (
 )
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.distributed.tensor_parallel import apply_sharding_configs
+from hyper_parallel.distributed.token_split import apply_token_split
 from hyper_parallel.protocols.sharding import MeshAxisName, ShardingConfig
 
 __all__ = ["declared_shardings", "layout_shardings", "parallelize_decoder"]
@@ -168,6 +170,9 @@ def parallelize_decoder(
     # K/V all-gather (attention) or state passing (Gated DeltaNet); chosen per core and logged
     if pd.cp_enabled:
         apply_context_parallel(model, pd.mesh("cp"), tp=pd.tp, hybrid=pd.cp_hybrid_meshes())
+
+    # statistics over a forward's tokens (the MoE aux loss's) sum over the ranks that split them: cp x tp
+    apply_token_split(model, pd)
 
     # 2. activation checkpointing (first hooks on each layer)
     apply_activation_checkpointing(layers, ac_config)

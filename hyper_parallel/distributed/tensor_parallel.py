@@ -166,8 +166,26 @@ def _convert(
         if tuple(dt.placements) != (dst,):
             dt = dt.redistribute(mesh, [dst])
     if local:
-        return dt.to_local(grad_placements=[grad] if grad is not None else None)
+        return _NotAView.apply(dt.to_local(grad_placements=[grad] if grad is not None else None))
     return dt
+
+
+class _NotAView(torch.autograd.Function):
+    """Identity that hands on an alias of its input, not an autograd view of it.
+
+    ``DTensor.to_local`` returns a view (``view_as``); when the module is an FSDP2 unit of its own (the
+    embedding), FSDP2 then warns "returned a view tensor ... can cause wrong gradients" for every tensor
+    parallel run. ``detach`` shares storage and version counter, with no view and no copy; the gradient
+    passes through unchanged.
+    """
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
 
 
 def _input_grad(sc: ShardingConfig, pos: int | None, axis: MeshAxisName) -> Placement | None:

@@ -22,6 +22,7 @@ Nothing here names a model: everything comes from the registered ``ModelSpec`` a
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
 from collections.abc import Sequence
@@ -47,6 +48,7 @@ from hyper_parallel.dry_run.step import (
     simulate_step,
 )
 from hyper_parallel.dry_run.world import MESH_DEVICE, axis_labels, build_parallel_model, fake_world, validate_layout
+from hyper_parallel.protocols.hf_model import resolve_run_model
 from hyper_parallel.protocols.model_spec import ModelSpec, discover_model_spec
 from hyper_parallel.trainer import Trainer
 
@@ -81,6 +83,10 @@ def dry_run(
     (no peak or collectives); ``full_depth`` simulates every layer instead of scaling two shallow copies.
     """
     spec = discover_model_spec(config.model_spec)
+    # an HF folder (--checkpoint.initial_load_path) is the model, as in the trainer: size the folder's
+    folder = config.checkpoint.initial_load_path
+    model = resolve_run_model(spec, config.model, folder=folder, explicit=config.explicit_model_fields).config
+    config = dataclasses.replace(config, model=model)
     pd = ParallelDims.from_config(config.parallelism, world_size)
     validate_layout(spec, config, pd)
     layers = list(getattr(config.model, "layers", None) or [])

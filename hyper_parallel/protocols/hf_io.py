@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from abc import abstractmethod
 from collections.abc import Callable, Iterable
@@ -25,6 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from hyper_parallel.protocols.hf_quant import dequantize_lazy, folder_quantization, quantization_of
 from hyper_parallel.protocols.hf_storage import (
     HFCheckpointError,
     HFFolder,
@@ -47,6 +49,7 @@ __all__ = [
     "build_from_hf",
     "cat",
     "check_keys",
+    "export_hf_config",
     "full_tensor",
     "fuse_experts",
     "load_checked",
@@ -59,10 +62,13 @@ __all__ = [
     "save_with_model",
     "split_experts",
     "stack",
+    "warn_dropped",
+    "write_hf_config",
     "writes_once",
 ]
 
 M = TypeVar("M")
+logger = logging.getLogger(__name__)
 
 
 class CheckpointKeyError(KeyError):
@@ -110,14 +116,18 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
-    """``config.json`` of an HF folder, with an error naming the file when it is absent or broken."""
+    """``config.json`` of an HF folder, with an error naming the file when it is absent or broken, or when its
+    ``quantization_config`` is one the loader cannot read (``hf_quant.quantization_of``: refused before any
+    model is built or tensor read; a block-FP8 release passes and is dequantized on load)."""
     f = Path(path) / "config.json"
     if not f.is_file():
         raise FileNotFoundError(f"{f} does not exist: an HF checkpoint folder needs its config.json")
     try:
-        return json.loads(f.read_text())
+        hf = json.loads(f.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{f} is not valid JSON: {e}") from e
+    quantization_of(hf, where=str(f))
+    return hf
 
 
 def check_keys(
@@ -229,10 +239,16 @@ def load_checked(
     shards cover. ``init_missing`` runs first when the checkpoint does not fill every key (the parts it
     lacks keep that initialisation). The ``passthrough`` (HF keys the model does not represent) is kept on
     ``model.hf_passthrough`` as lazy references to the folder's files: the export reads them again.
+
+    A block-FP8 release (``quantization_config``, ``hf_quant``) is dequantized on the way: ``convert`` sees each
+    quantized weight as the dense tensor it stands for (its ``*_scale_inv`` consumed), and each rank reads only
+    its shard's box of the FP8 weight and the scales covering it.
     """
+    quant = folder_quantization(path)  # an unsupported quantization_config fails here, before any read
     folder = HFFolder.open(path)
     ours = model_state_dict(model)
-    result = convert(dict(folder.tensors), {k: v.shape for k, v in ours.items()})
+    tensors = dequantize_lazy(folder.tensors, quant, where=str(folder.path))
+    result = convert(tensors, {k: v.shape for k, v in ours.items()})
     raise_problems(_dtype_problems(result.state_dict, ours), f"checkpoint {folder.path}")
     if init_missing is not None and result.state_dict.keys() != ours.keys():
         init_missing()
@@ -266,6 +282,51 @@ def build_from_hf(
     model.init_weights()  # parts the checkpoint lacks keep their seeded initialisation
     load_weights(model, path, **load_kwargs)
     return model.to(dtype=dtype)
+
+
+def warn_dropped(keys: Iterable[str], why: str) -> None:
+    """Log (once per export) that the HF ``keys`` the folder had are not written, and ``why``."""
+    keys = sorted(keys)
+    if keys:
+        shown = ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
+        logger.warning("the HF export leaves out %d tensor(s) the loaded folder had (%s): %s", len(keys), shown, why)
+
+
+def export_hf_config(hf_config: dict[str, Any], *, dtype: torch.dtype) -> dict[str, Any]:
+    """The ``config.json`` dict an export writes, from a family writer's ``hf_config`` (the folder's form).
+
+    ``dtype`` says what was written: the top-level ``dtype`` always, and every ``dtype`` / legacy ``torch_dtype``
+    key the folder had, at any level (``text_config``, ...). ``quantization_config`` is dropped at every level:
+    an export holds dense tensors in ``dtype``, and a server must not read it as pre-quantized.
+    """
+    name = str(dtype).removeprefix("torch.")
+
+    def clean(level: dict[str, Any], top: bool) -> dict[str, Any]:
+        out = {}
+        for key, value in level.items():
+            if key == "quantization_config":
+                continue
+            if key in ("dtype", "torch_dtype"):
+                value = name
+            elif isinstance(value, dict):
+                value = clean(value, False)
+            out[key] = value
+        if top:
+            out["dtype"] = name
+        return out
+
+    return clean(hf_config, True)
+
+
+def write_hf_config(
+    path: str | os.PathLike, hf_config: dict[str, Any], *, dtype: torch.dtype, sources: dict[str, Any]
+) -> str:
+    """Write ``export_hf_config(hf_config, dtype=)`` as ``path/config.json`` from the one process that writes a
+    folder's single files (``writes_once(sources)``); returns the file name."""
+    if writes_once(sources):
+        out = export_hf_config(hf_config, dtype=dtype)
+        (Path(path) / "config.json").write_text(json.dumps(out, indent=2, sort_keys=True))
+    return "config.json"
 
 
 def save_with_model(

@@ -8,7 +8,9 @@ read. ``load_tensor_(dst, src)`` then reads only the box of ``src`` that ``dst``
 DTensor's box follows from its placements: FSDP rows, TP rows or columns, an expert-parallel rank's
 experts), through safetensors' ``get_slice``, which reads those bytes only. Each read opens its file
 and closes it right after: safetensors maps the file, and the mapped pages a read touches count in the
-process's RSS for as long as the mapping lives.
+process's RSS for as long as the mapping lives. A block-FP8 release's weights are lazy tensors of the same kind
+(``hf_quant.BlockDequantized``): a box reads its FP8 slice and the scale blocks covering it, and is computed in
+the destination's dtype (``read(box, dtype=)``).
 
 Writing. ``save_converted(sources, convert, path)`` writes sharded safetensors plus the index from our
 (possibly sharded) tensors, converting one tensor at a time: it plans every file from shapes alone
@@ -116,10 +118,11 @@ class HFTensor:
         """Copy the ``box`` of this tensor into ``out`` (of the box's shape; any dtype: copy_ casts)."""
         raise NotImplementedError
 
-    def read(self, box: Box | None = None) -> torch.Tensor:
-        """The ``box`` (default: everything) as a new tensor of this dtype."""
+    def read(self, box: Box | None = None, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The ``box`` (default: everything) as a new tensor of ``dtype`` (default: this tensor's dtype; a
+        dequantized FP8 weight is computed in the dtype asked for, not rounded through its own first)."""
         box = _full_box(self.shape) if box is None else box
-        out = torch.empty(_box_shape(box), dtype=self.dtype)
+        out = torch.empty(_box_shape(box), dtype=self.dtype if dtype is None else dtype)
         if out.numel():
             self.read_into(out, box)
         return out
@@ -209,10 +212,10 @@ class _Reshaped(HFTensor):
     def read_into(self, out: torch.Tensor, box: Box) -> None:
         if self.shape and self.src.shape and self.shape[0] == self.src.shape[0]:
             # rows stay rows (a Conv3d kernel flattened per output channel): read only the box's rows
-            rows = self.src.read((box[0], *_full_box(self.src.shape[1:])))
+            rows = self.src.read((box[0], *_full_box(self.src.shape[1:])), dtype=out.dtype)
             out.copy_(rows.reshape(rows.shape[0], *self.shape[1:])[(slice(None), *box[1:])])
         else:
-            out.copy_(self.src.read().reshape(self.shape)[box])
+            out.copy_(self.src.read(dtype=out.dtype).reshape(self.shape)[box])
 
 
 class _RowPermuted(HFTensor):
@@ -474,8 +477,8 @@ def load_tensor_(dst: torch.Tensor, src: Any, *, offset: Sequence[int] | None = 
     src_box = tuple(slice(s.start - o, s.stop - o) for s, o in zip(inter, offset))
     if out.is_contiguous() and out.device.type == "cpu":
         lazy.read_into(out, src_box)
-    else:  # read on the host, then one copy to the device (or into a strided view)
-        out.copy_(lazy.read(src_box))
+    else:  # read on the host (in dst's dtype), then one copy to the device (or into a strided view)
+        out.copy_(lazy.read(src_box, dtype=out.dtype))
 
 
 # ---- writing -----------------------------------------------------------------------------------

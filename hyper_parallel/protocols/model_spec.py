@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "HF_MODEL_TYPES",
+    "HFMtp",
     "ModelSpec",
     "default_data_facts",
     "discover_model_spec",
@@ -36,6 +38,18 @@ def default_data_facts(model_config: Any) -> dict[str, Any]:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HFMtp:
+    """How a family's HF folders carry a multi-token-prediction block (Qwen3.5 ``mtp.*``, GLM's nextn layer)."""
+
+    count_key: str
+    """``config.json`` key (in ``text_config`` or at top level) holding the number of MTP layers."""
+    config_from_hf: Callable[[Mapping[str, Any]], Any]
+    """The family's HF config reader with the folder's MTP block on (raises, naming ``count_key``, without one)."""
+    tensor_prefixes: Callable[[Mapping[str, Any]], tuple[str, ...]]
+    """``tensor_prefixes(hf_config)``: HF key prefixes of the MTP block's tensors in such a folder."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """Everything the model-agnostic trainer needs to know about one model package (typed, all optional
     beyond the first three)."""
@@ -51,7 +65,8 @@ class ModelSpec:
     flavor: str = ""
     """Default recipe of the package (``glm_image_moe_debug``)."""
     from_pretrained: Callable[..., Any] | None = None
-    """``from_pretrained(path, **overrides) -> model``: build a model from an HF folder."""
+    """``from_pretrained(path, *, dtype=, device=, mtp=, **overrides) -> model``: build a model from an HF folder
+    (``hf_model.pretrained_io`` derives it from the fields below; ``mtp=None`` follows the folder)."""
     save_pretrained: Callable[..., Any] | None = None
     """``save_pretrained(model, path, *, state_dict=None, dtype=None)``: write the HF format (``state_dict``
     replaces the model's weights, e.g. EMA weights; with sharded DTensors every rank calls it and writes its
@@ -69,6 +84,29 @@ class ModelSpec:
     data_facts: Callable[[Any], dict[str, Any]] = default_data_facts
     """``data_facts(model_config) -> dict``: model facts the data source checks samples against
     (vocabulary size; GlmImageMoe adds its codebook size and placeholder id)."""
+    config_from_hf: Callable[[Mapping[str, Any]], Any] | None = None
+    """``config_from_hf(hf_config_dict) -> model.Config``: the family's HF config reader (MTP off), the one
+    ``from_pretrained`` uses; with it an HF folder given as ``--checkpoint.initial_load_path`` is the run's model."""
+    hf_mtp: HFMtp | None = None
+    """How the family's HF folders carry an MTP block (None: the family has none)."""
+    fields_not_in_hf: Callable[[Mapping[str, Any]], tuple[str, ...]] | None = None
+    """``fields_not_in_hf(hf_config_dict)``: top-level model fields such a folder does not set (a text-only GLM
+    folder: the image path), which a run started from it takes from the recipe."""
+
+
+HF_MODEL_TYPES: dict[str, tuple[str, ...]] = {
+    # Qwen3_5ForConditionalGeneration: its text part, or the whole VL model (Qwen3.5 dense VL, qwen3_vl_moe)
+    "qwen3_5": ("qwen3_5", "qwen3_vl_moe"),
+    "qwen3_5_text": ("qwen3_5",),  # Qwen3_5ForCausalLM
+    # Qwen3_5MoeForConditionalGeneration: the text part, or the whole VL model (Qwen3.5-MoE VL, qwen3_vl_moe)
+    "qwen3_5_moe": ("qwen3_5_moe", "qwen3_vl_moe"),
+    "qwen3_5_moe_text": ("qwen3_5_moe",),  # Qwen3_5MoeForCausalLM
+    "qwen3_vl_moe": ("qwen3_vl_moe",),  # Qwen3VLMoeForConditionalGeneration
+    "glm4_moe_lite": ("glm_image_moe",),  # Glm4MoeLiteForCausalLM (GLM-4.7-Flash): the text part of GlmImageMoe
+    "glm_image_moe": ("glm_image_moe",),
+}
+"""HF ``config.json`` ``model_type`` -> the registered specs that read such a folder, the default first (the
+one table that maps a folder to a model package: ``--module`` and ``hyper_parallel.from_pretrained(path)``)."""
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

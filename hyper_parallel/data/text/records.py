@@ -233,12 +233,25 @@ def _file_rows(path: str) -> Iterator[tuple[int, Mapping[str, Any] | BadSample]]
 def _check_text(record: Mapping[str, Any], spec: TextRecordSpec) -> str:
     value = record.get(spec.text_column)
     if value is None:
-        raise _bad_sample("missing_column", f"no {spec.text_column!r} value (the record has: {sorted(record)})")
+        chats = [k for k, v in record.items() if _looks_like_messages(v)]
+        hint = (
+            f"; column {chats[0]!r} holds a conversation: train on it with --data.chat_column {chats[0]} "
+            "(and --data.loss_on assistant for assistant turns only)"
+            if chats else ""
+        )
+        raise _bad_sample(
+            "missing_column", f"no {spec.text_column!r} value (the record has: {sorted(record)}){hint}"
+        )
     if not isinstance(value, str):
         raise _bad_sample("bad_type", f"{spec.text_column!r} must be a string, got {type(value).__name__}")
     if not value.strip():
         raise _bad_sample("empty", f"{spec.text_column!r} is blank")
     return value
+
+
+def _looks_like_messages(value: Any) -> bool:
+    """A list of ``{"role": ..., ...}`` dicts: a conversation column."""
+    return isinstance(value, list) and bool(value) and all(isinstance(m, Mapping) and "role" in m for m in value)
 
 
 def _chat_messages(record: Mapping[str, Any], spec: TextRecordSpec) -> list[dict[str, Any]]:

@@ -16,6 +16,12 @@ Tied embeddings (``tie_word_embeddings``, HF's flag of the same name): ``lm_head
 embedding and the head form one FSDP unit), tensor parallel (both are ``Shard(0)`` over the vocabulary)
 and DCP see a single tensor. The table is initialised once, by the embedding (its padding row stays zero).
 
+Model-level options (``Config.rope_theta``, ``rms_norm_eps``, ``router_aux_loss_coef``, ``use_mtp``,
+``mtp_loss_weight``, ``freeze``; None = as the layer tree says): one field each, pushed into every layer it
+reaches when the Config is constructed (on copies of the child configs), so the CLI flag, the run-file key and
+``dataclasses.replace`` give the same tree; ``option_values()`` reads them back. The per-layer tree itself is
+off the command line (``OFF_CLI``); run files still reach it.
+
 Multi-token prediction (``Config.mtp``, off by default; ``models/common/mtp.py``): given
 ``mtp_input_ids`` (the next token of every position, per document, from the data side), ``forward``
 also runs the MTP block on the final-normed hidden states and the shared ``lm_head`` and returns
@@ -25,11 +31,17 @@ what it computes without an MTP block.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import copy
+import dataclasses
+import fnmatch
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Annotated, Any, ClassVar
 
 import torch
+import tyro
 
+from hyper_parallel.config.errors import ConfigError
 from hyper_parallel.models.common.attention import AttentionMeta
 from hyper_parallel.models.common.block import TransformerBlock, combine_aux_losses
 from hyper_parallel.models.common.embedding import Embedding
@@ -37,10 +49,38 @@ from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.moe import MoE
 from hyper_parallel.models.common.mtp import MTP
 from hyper_parallel.models.common.rmsnorm import RMSNorm
+from hyper_parallel.models.common.rope import RoPE
 from hyper_parallel.protocols.model import BaseModel, ModelOutput
 from hyper_parallel.protocols.module import Module, ModuleList, _init_child
+from hyper_parallel.protocols.param_init import ParamInit
 
-__all__ = ["Decoder"]
+__all__ = ["MODEL_OPTIONS", "OFF_CLI", "Decoder"]
+
+MODEL_OPTIONS = ("rope_theta", "rms_norm_eps", "router_aux_loss_coef", "use_mtp", "mtp_loss_weight", "freeze")
+"""The model-level option fields of ``Decoder.Config`` (one CLI flag each; None = as the layer tree says)."""
+
+_TEXT_TREE = ("embed_tokens", "layers", "norm", "lm_head", "mtp")
+"""The Decoder's own sub-configs: the options reach these (not a subclass's vision tower or VQ codebook)."""
+
+
+def _not_from_cli(args: list[str]) -> Any:
+    raise ConfigError(f"{args}: the model's per-layer tree is not a command-line option; set it from a run file")
+
+
+OFF_CLI = tyro.constructors.PrimitiveConstructorSpec(
+    nargs=1, metavar="TREE", instance_from_str=_not_from_cli, is_instance=lambda _: True, str_from_instance=lambda _: []
+)
+"""tyro marker, beside ``tyro.conf.Suppress``, of a sub-config tyro neither lists nor walks: the per-layer tree is
+the constructor, not the CLI, and the recipe's value passes through as it is (walking a 40-layer tree took tyro
+seconds). Run files still reach it (``apply_overrides`` works on the tree)."""
+
+_TREE_OPTIONS: dict[str, tuple[type | None, str]] = {
+    "rope_theta": (RoPE.Config, "theta"),
+    "rms_norm_eps": (None, "eps"),  # every norm (a config with an ``eps``) but the family's fixed ones
+    "router_aux_loss_coef": (MoE.Config, "router_aux_loss_coef"),
+    "mtp_loss_weight": (MTP.Config, "loss_weight"),
+}
+"""Option -> (the configs it sets, their field): the options pushed into the tree."""
 
 
 class Decoder(BaseModel):
@@ -48,22 +88,158 @@ class Decoder(BaseModel):
 
     @dataclass(kw_only=True, slots=True)
     class Config(BaseModel.Config):
+        """A decoder-only LM. The per-layer tree (``layers``, ``norm``, ``mtp`` ...) is the constructor and is
+        not on the command line; the fields people change are one model-level option each (``rope_theta``,
+        ``rms_norm_eps``, ``router_aux_loss_coef``, ``use_mtp``, ``mtp_loss_weight``, ``freeze``), pushed into
+        every layer when the Config is constructed. A single layer can still be changed from a run file
+        (``[model.layers.3.mlp] num_experts = 8``): an option, when set, wins over such per-layer values."""
+
         vocab_size: int
         """Rows of the embedding table and of the LM head."""
         dim: int
         """Model (hidden) dimension, handed to every child at build time."""
-        layers: list[TransformerBlock.Config]
+        layers: Annotated[list[TransformerBlock.Config], tyro.conf.Suppress, OFF_CLI]
         """One config per decoder layer (``layers.{i}``); layers may use different token mixers."""
-        embed_tokens: Embedding.Config = field(default_factory=Embedding.Config)
+        embed_tokens: Annotated[Embedding.Config, tyro.conf.Suppress, OFF_CLI] = field(default_factory=Embedding.Config)
         """Token embedding ``[vocab_size, dim]``."""
-        norm: Module.Config = field(default_factory=RMSNorm.Config)
+        norm: Annotated[Module.Config, tyro.conf.Suppress, OFF_CLI] = field(default_factory=RMSNorm.Config)
         """Final norm."""
-        lm_head: Linear.Config = field(default_factory=Linear.Config)
+        lm_head: Annotated[Linear.Config, tyro.conf.Suppress, OFF_CLI] = field(default_factory=Linear.Config)
         """Output projection ``[vocab_size, dim]``."""
         tie_word_embeddings: bool = False
         """Share one weight between ``embed_tokens`` and ``lm_head`` (HF ``tie_word_embeddings``)."""
-        mtp: MTP.Config | None = None
-        """Multi-token prediction block (``mtp.*``), None = off; it shares ``embed_tokens`` and ``lm_head``."""
+        mtp: Annotated[MTP.Config | None, tyro.conf.Suppress, OFF_CLI] = None
+        """Multi-token prediction block (``mtp.*``), None = off; it shares ``embed_tokens`` and ``lm_head``.
+        Switched with ``use_mtp``, weighted with ``mtp_loss_weight``."""
+        param_init: Annotated[ParamInit.Config | None, tyro.conf.Suppress, OFF_CLI] = None
+        """Initialiser of the model's own direct parameters (a decoder has none: each child has its own)."""
+        rope_theta: float | None = None
+        """RoPE base of every rotary layer, the MTP layer's included (HF ``rope_theta``); None: as the layers say."""
+        rms_norm_eps: float | None = None
+        """Eps of every norm HF's ``rms_norm_eps`` reaches: the layers' norms, the final norm and the MTP block's
+        (the family's fixed-eps norms excepted, e.g. GLM's ``q_a_layernorm`` / ``kv_a_layernorm`` stay 1e-6);
+        None: as the layers say."""
+        router_aux_loss_coef: float | None = None
+        """Weight of the MoE load-balancing loss of every MoE layer, the MTP layer's included (HF
+        ``router_aux_loss_coef``; 0 computes none); None: as the layers say."""
+        use_mtp: bool | None = None
+        """True: add the family's multi-token-prediction block when the tree has none (its loss weight the
+        family's default unless ``mtp_loss_weight`` is set); False: remove it; None: as the tree says."""
+        mtp_loss_weight: float | None = None
+        """Weight of the MTP loss (``mtp.loss_weight``), applied whenever the model has an MTP block (from the
+        recipe, ``use_mtp`` or a folder that ships one); None: as the tree says."""
+        freeze: tuple[str, ...] | None = None
+        """Parameters kept frozen (``requires_grad=False``, so no optimizer state): fnmatch patterns over
+        parameter names, e.g. ``'embed_tokens.*' 'layers.0.*'``; each must match a parameter. None: none."""
+
+        fixed_eps_norms: ClassVar[tuple[str, ...]] = ()
+        """fnmatch patterns over config paths of the norms ``rms_norm_eps`` does not reach (the family's HF model
+        gives them a fixed eps)."""
+
+        def __post_init__(self) -> None:
+            self._apply_options()
+
+        def build(self, **runtime_objects: Any) -> Decoder:
+            """Build the model, then freeze the parameters ``freeze`` names."""
+            model = BaseModel.Config.build(self, **runtime_objects)
+            model.apply_freeze()
+            return model
+
+        def mtp_block(self) -> MTP.Config:
+            """The family's MTP block for this trunk (what ``use_mtp=True`` adds), with the family's default
+            loss weight; families with an MTP block override this."""
+            raise ConfigError(
+                f"model.use_mtp=True, but {type(self).__qualname__} has no multi-token-prediction block: "
+                "leave model.use_mtp unset (or false)"
+            )
+
+        def without_options(self) -> Decoder.Config:
+            """This config with every model-level option unset (the tree as it is): what a family's MTP builder
+            is handed, so building the block does not re-enter ``mtp_block``."""
+            return dataclasses.replace(self, **{name: None for name in MODEL_OPTIONS})
+
+        def option_values(self) -> dict[str, Any]:
+            """The effective value of every model-level option, read from the tree (``MODEL_OPTIONS`` order).
+
+            A tree option reads as its one value across the configs it reaches, None when it reaches none
+            (a model without RoPE, MoE or MTP), or a tuple of the distinct values in tree order when the
+            layers disagree. ``use_mtp`` is whether the tree has an MTP block; ``freeze`` the patterns (() for none).
+            """
+            values: dict[str, Any] = {}
+            for name, (_, attr) in _TREE_OPTIONS.items():
+                seen = []
+                for cfg in self._option_targets(name):
+                    if getattr(cfg, attr) not in seen:
+                        seen.append(getattr(cfg, attr))
+                values[name] = None if not seen else seen[0] if len(seen) == 1 else tuple(seen)
+            values["use_mtp"] = self.mtp is not None
+            values["freeze"] = tuple(self.freeze or ())
+            return {name: values[name] for name in MODEL_OPTIONS}
+
+        def _text_configs(self) -> Iterator[tuple[str, Module.Config]]:
+            """``(path, config)`` of every config of the Decoder's own tree (``_TEXT_TREE``), roots included."""
+            for root in _TEXT_TREE:
+                value = getattr(self, root)
+                items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+                items = [(root if i is None else f"{root}.{i}", v) for i, v in items]
+                for path, item in items:
+                    if isinstance(item, Module.Config):
+                        yield path, item
+                        for sub, cfg, _, _ in item.traverse(_prefix=path):
+                            yield sub, cfg
+
+        def _option_targets(self, name: str) -> list[Module.Config]:
+            """The configs a tree option (``_TREE_OPTIONS``) sets."""
+            kind, attr = _TREE_OPTIONS[name]
+            out = []
+            for path, cfg in self._text_configs():
+                if kind is None:  # a norm: any config with an ``eps``, unless the family fixes it
+                    if attr in {f.name for f in fields(cfg)} and not any(
+                        fnmatch.fnmatchcase(path, p) for p in self.fixed_eps_norms
+                    ):
+                        out.append(cfg)
+                elif isinstance(cfg, kind):
+                    out.append(cfg)
+            return out
+
+        def _apply_options(self) -> None:
+            # Options arrive from the CLI, a run file or dataclasses.replace: check and normalise them first.
+            for name in _TREE_OPTIONS:
+                value = getattr(self, name)
+                if value is None:
+                    continue
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise ConfigError(f"model.{name} must be a number, got {value!r}")
+                positive = name in ("rope_theta", "rms_norm_eps")
+                if value < 0 or (positive and value == 0):
+                    raise ConfigError(f"model.{name}={value} must be {'> 0' if positive else '>= 0'}")
+                setattr(self, name, float(value))
+            if self.use_mtp is not None and not isinstance(self.use_mtp, bool):
+                raise ConfigError(f"model.use_mtp must be true or false, got {self.use_mtp!r}")
+            if isinstance(self.freeze, str):
+                self.freeze = (self.freeze,)
+            if self.freeze is not None:
+                self.freeze = tuple(self.freeze)
+                if not all(isinstance(p, str) and p for p in self.freeze):
+                    raise ConfigError(f"model.freeze must be parameter-name patterns, got {self.freeze!r}")
+            if self.use_mtp is False and self.mtp is not None:
+                self.mtp = None
+            elif self.use_mtp and self.mtp is None:
+                self.mtp = self.mtp_block()  # built from copies of the trunk's configs
+            changes = [name for name in _TREE_OPTIONS if self._differs(name)]
+            if not changes:
+                return
+            # Set on copies: recipes, tyro and dataclasses.replace may share child configs between Configs.
+            for root in _TEXT_TREE:
+                setattr(self, root, copy.deepcopy(getattr(self, root)))
+            for name in changes:
+                for cfg in self._option_targets(name):
+                    setattr(cfg, _TREE_OPTIONS[name][1], getattr(self, name))
+
+        def _differs(self, name: str) -> bool:
+            """Whether tree option ``name`` is set and some config it reaches holds another value."""
+            value, attr = getattr(self, name), _TREE_OPTIONS[name][1]
+            return value is not None and any(getattr(cfg, attr) != value for cfg in self._option_targets(name))
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
@@ -87,6 +263,22 @@ class Decoder(BaseModel):
                 f"{' with a bias' if head.bias is not None else ''}: set tie_word_embeddings=False"
             )
         head.weight = table.weight
+
+    def apply_freeze(self) -> None:
+        """``requires_grad_(False)`` on every parameter a ``config.freeze`` pattern matches (``Config.build`` calls
+        it once the whole model, subclass parts included, exists). A tied table is matched by either name."""
+        patterns = self.config.freeze or ()
+        params = dict(self.named_parameters(remove_duplicate=False))
+        for pattern in patterns:
+            hits = [name for name in params if fnmatch.fnmatchcase(name, pattern)]
+            if not hits:
+                close = ", ".join(list(params)[:3])
+                raise ConfigError(
+                    f"model.freeze pattern {pattern!r} matches no parameter of {type(self).__name__}: patterns are "
+                    f"fnmatch over parameter names such as {close}, ... (e.g. 'embed_tokens.*', 'layers.0.*')"
+                )
+            for name in hits:
+                params[name].requires_grad_(False)
 
     @property
     def tied_word_embeddings(self) -> bool:
@@ -220,8 +412,10 @@ class Decoder(BaseModel):
         meta: AttentionMeta,
     ) -> ModelOutput:
         """``head`` plus the MTP block on the final-normed hidden states (vLLM's drafters take the target's
-        normed output) and the shared ``lm_head``. The MTP layers' own aux loss joins ``aux_loss`` scaled by
-        ``mtp.loss_weight`` (pooled apart from the trunk's layers)."""
+        normed output) and the shared ``lm_head``. The MTP layers' own aux loss (pooled apart from the trunk's
+        layers) joins ``aux_loss`` as it is, with the full router coefficient: ``mtp.loss_weight`` weighs the MTP
+        cross entropy only (Megatron: ``mtp_loss_scaling_factor`` scales the MTP loss in ``MTPLossAutoScaler``,
+        while the MTP layer's router applies ``moe_aux_loss_coeff`` unscaled, ``moe/router.py``)."""
         mtp_cfg = self.config.mtp
         hn_BTD = self.norm(h_BTD)
         logits = self.lm_head(hn_BTD)
@@ -232,7 +426,6 @@ class Decoder(BaseModel):
         y_BTD = self.mtp(hn_BTD, mtp_embeds, position_ids=position_ids, meta=meta)
         mtp_aux = self.mtp.pop_aux_loss()
         if mtp_aux is not None:
-            mtp_aux = mtp_cfg.loss_weight * mtp_aux
             aux_loss = mtp_aux if aux_loss is None else aux_loss + mtp_aux
         return ModelOutput(logits, aux_loss, self.lm_head(y_BTD))
 

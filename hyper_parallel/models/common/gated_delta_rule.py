@@ -792,6 +792,13 @@ def gated_delta_rule_cp(
         summary.append(torch.cat([s_zero, m], dim=-1))
     n_local = len(ranges)
     summary = torch.stack(summary).view(B, n_local, Hv, Dk, Dv + Dk).transpose(0, 1)  # [np, B, ...]
+    if halo:
+        # Backward order: every rank must run the two all-gathers' backward collectives in the same order. The
+        # tails' gradient waits for the summaries' backward only where the summaries depend on the conv output;
+        # where they do not (zero summaries: no document continues out of or crosses the rank's pieces, e.g. a
+        # document starts exactly on each piece boundary) the engine's schedule decides, and it differed between
+        # ranks (gloo "Received data size doesn't match": hybrid CP, CP 2 x TP 2 with the aux loss). Tie them.
+        summary = _Anchor.apply(summary, gathered_tails)
     gathered = cp.all_gather(summary.contiguous())  # [size, np, B, Hv, Dk, Dv + Dk]
 
     # 4. compose every local piece's incoming state (piece order; tiny [Dk, Dk] x [Dk, Dv] products)

@@ -97,7 +97,11 @@ class _ContiguousGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, y: torch.Tensor) -> torch.Tensor:
-        return y
+        # An alias, not ``y`` itself: a custom Function that returns its input makes the output an autograd
+        # VIEW of it, and the experts' output being a view makes FSDP2 warn "returned a view tensor" when the
+        # experts are an FSDP unit of their own (expert parallel). ``detach`` shares storage and version
+        # counter (an in-place op on the output is still seen), with no view and no copy.
+        return y.detach()
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_y: torch.Tensor) -> torch.Tensor:

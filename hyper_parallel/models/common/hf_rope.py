@@ -14,20 +14,25 @@ folds three generations of keys into one ``rope_parameters`` dict, in this prior
 
 Only ``rope_type == "default"`` is modelled. Any other type (yarn, dynamic, linear, llama3, longrope ...)
 and per-layer-type RoPE dicts are refused with an error naming the key and its value: a config never
-silently becomes a model with a different RoPE. Exports write one ``rope_parameters`` dict and none of the
-legacy keys, so the written ``config.json`` cannot contradict itself.
+silently becomes a model with a different RoPE. An export writes the RoPE in the form the folder had
+(:func:`rope_to_hf` with ``HFRope.form``: the same keys at the same level, each fact everywhere the folder
+stated it, so the written ``config.json`` cannot contradict itself), or one ``rope_parameters`` dict without
+a folder.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["LEGACY_ROPE_KEYS", "HFRope", "read_hf_rope", "rope_parameters_to_hf"]
+__all__ = ["LEGACY_ROPE_KEYS", "HFRope", "read_hf_rope", "rope_parameters_to_hf", "rope_to_hf"]
 
 LEGACY_ROPE_KEYS = ("rope_scaling", "rope_theta", "partial_rotary_factor", "rope_parameters")
-"""Config keys that hold RoPE facts; a reader consumes them all, an export writes ``rope_parameters`` only."""
+"""Config keys that hold RoPE facts; a reader consumes them all, an export writes them in the folder's form."""
+_DICTS = ("rope_scaling", "rope_parameters")  # the keys that hold a RoPE dict
+_TOP_FACTS = ("rope_theta", "partial_rotary_factor")  # the facts transformers also reads beside the dict
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,9 @@ class HFRope:
     """M-RoPE ``[t, h, w]`` frequency slots (None: plain 1-D RoPE / the model's fallback)."""
     mrope_interleaved: bool | None
     """``mrope_interleaved`` as written (None: absent)."""
+    form: dict[str, Any] = field(default_factory=dict, compare=False)
+    """The level's RoPE keys (``LEGACY_ROPE_KEYS``) exactly as the folder wrote them: ``rope_to_hf`` writes
+    the export in this form."""
 
 
 def read_hf_rope(
@@ -87,6 +95,7 @@ def read_hf_rope(
         partial_rotary_factor=float(partial if partial is not None else 1.0),
         mrope_section=tuple(section) if section is not None else None,
         mrope_interleaved=rope.get("mrope_interleaved"),
+        form={k: copy.deepcopy(cfg[k]) for k in LEGACY_ROPE_KEYS if k in cfg},
     )
 
 
@@ -97,7 +106,7 @@ def rope_parameters_to_hf(
     mrope_section: Sequence[int] | None = None,
     mrope_interleaved: bool | None = None,
 ) -> dict[str, Any]:
-    """The one ``rope_parameters`` dict an export writes (default RoPE; no legacy keys beside it)."""
+    """The one ``rope_parameters`` dict of a config without a folder's form (default RoPE; see :func:`rope_to_hf`)."""
     out: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     if partial_rotary_factor is not None:
         out["partial_rotary_factor"] = partial_rotary_factor
@@ -105,4 +114,44 @@ def rope_parameters_to_hf(
         out["mrope_section"] = list(mrope_section)
     if mrope_interleaved is not None:
         out["mrope_interleaved"] = mrope_interleaved
+    return out
+
+
+def rope_to_hf(
+    *,
+    theta: float,
+    partial_rotary_factor: float | None = None,
+    mrope_section: Sequence[int] | None = None,
+    mrope_interleaved: bool | None = None,
+    form: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The RoPE keys of one config level, in the folder's ``form`` (``HFRope.form``).
+
+    Each fact is written everywhere the folder stated it (beside the dict for ``rope_theta`` /
+    ``partial_rotary_factor``, inside its ``rope_scaling`` / ``rope_parameters`` dict, with its ``type`` or
+    ``rope_type`` spelling); a fact the folder did not state goes into its dict (a new ``rope_parameters`` when
+    it had none). The folder's other keys (``rope_scaling: null``, unknown entries of the dict) stay as they
+    were. Without a form: ``{"rope_parameters": rope_parameters_to_hf(...)}``.
+    """
+    facts = rope_parameters_to_hf(theta=theta, partial_rotary_factor=partial_rotary_factor,
+                                  mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)  # fmt: skip
+    if not form:
+        return {"rope_parameters": facts}
+    out = {k: copy.deepcopy(v) for k, v in form.items()}
+    beside = {k for k in _TOP_FACTS if k in out and k in facts}
+    out.update({k: facts[k] for k in beside})
+    dicts = [k for k in _DICTS if isinstance(out.get(k), Mapping) and out[k]]
+    for name in dicts:
+        d = dict(out[name])
+        type_key = "type" if "type" in d and "rope_type" not in d else "rope_type"
+        for key, value in facts.items():
+            if key == "rope_type":
+                d[type_key] = value
+            elif key in d or key not in beside:
+                d[key] = value
+        out[name] = d
+    if not dicts:
+        rest = {k: v for k, v in facts.items() if k not in beside and k != "rope_type"}
+        if rest:
+            out["rope_parameters"] = {"rope_type": "default", **rest}
     return out

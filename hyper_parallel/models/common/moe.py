@@ -173,6 +173,10 @@ class LoadBalanceStats:
     HF concatenates every layer's router logits and computes ONE Switch loss
     ``E * sum_e f_e * P_e`` over all ``layers x tokens`` rows, which is not the sum of per-layer losses.
     So each MoE stores these sums, ``+`` pools them across layers and :meth:`loss` takes the product once.
+
+    HF pools the whole batch's rows (the micro-batch here). When the layout splits those rows over ranks
+    (context parallel's pieces, tensor parallel's sequence shards), ``pool`` sums the statistics over them
+    before the product (``distributed/token_split.py``), so every layout computes the one-process loss.
     """
 
     tokens_E: torch.Tensor
@@ -183,34 +187,55 @@ class LoadBalanceStats:
     """Rows (token x layer) summed in."""
     coef: float
     """``router_aux_loss_coef`` the loss is multiplied by."""
+    pool: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Differentiable sum over the ranks that split the forward's rows (set by the parallelize path through
+    ``MoE.set_token_split``); None: this rank holds them all."""
 
     @classmethod
-    def from_router(cls, scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, *, coef: float) -> LoadBalanceStats:
+    def from_router(
+        cls,
+        scores_TE: torch.Tensor,
+        topk_idx_TK: torch.Tensor,
+        *,
+        coef: float,
+        pool: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> LoadBalanceStats:
         """One layer's sums: ``scores_TE`` normalised to 1 per token (the softmax itself for softmax routers)."""
         num_tokens, num_experts = scores_TE.shape
         probs_TE = (scores_TE / scores_TE.sum(dim=-1, keepdim=True)).float()
         tokens_E = count_tokens_per_expert(topk_idx_TK, num_experts).to(torch.float32)
-        return cls(tokens_E=tokens_E, probs_E=probs_TE.sum(dim=0), rows=num_tokens, coef=coef)
+        return cls(tokens_E=tokens_E, probs_E=probs_TE.sum(dim=0), rows=num_tokens, coef=coef, pool=pool)
 
     def __add__(self, other: LoadBalanceStats) -> LoadBalanceStats:
         if not isinstance(other, LoadBalanceStats):
             return NotImplemented
-        if other.tokens_E.shape != self.tokens_E.shape or other.coef != self.coef:
+        if other.tokens_E.shape != self.tokens_E.shape or other.coef != self.coef or other.pool is not self.pool:
             raise ValueError(
-                "load-balancing statistics pool over layers only with equal num_experts and router_aux_loss_coef "
-                f"(got E={self.tokens_E.numel()}/{other.tokens_E.numel()}, coef={self.coef}/{other.coef})"
+                "load-balancing statistics pool over layers only with equal num_experts, router_aux_loss_coef and "
+                f"rank pool (got E={self.tokens_E.numel()}/{other.tokens_E.numel()}, coef={self.coef}/{other.coef}, "
+                f"pool={self.pool}/{other.pool})"
             )
         return LoadBalanceStats(
             tokens_E=self.tokens_E + other.tokens_E,
             probs_E=self.probs_E + other.probs_E,
             rows=self.rows + other.rows,
             coef=self.coef,
+            pool=self.pool,
         )
 
     def loss(self) -> torch.Tensor:
-        """``coef * E * sum_e (tokens_e / rows) * (probs_e / rows)``: a 0-dim fp32 tensor."""
+        """``coef * E * sum_e (tokens_e / rows) * (probs_e / rows)``: a 0-dim fp32 tensor.
+
+        With a ``pool`` the three sums are first summed over its ranks (one collective, every rank of the pool
+        must call it): the loss is then the one-process loss, the same on each of them.
+        """
         num_experts = self.tokens_E.numel()
-        return self.coef * num_experts * ((self.tokens_E / self.rows) * (self.probs_E / self.rows)).sum()
+        tokens_E, probs_E, rows = self.tokens_E, self.probs_E, self.rows
+        if self.pool is not None:
+            # Counts and rows need no gradient; the probability sums' gradient flows back to every rank's own.
+            pooled = self.pool(torch.cat([tokens_E, probs_E, probs_E.new_full((1,), float(rows))]))
+            tokens_E, probs_E, rows = pooled[:num_experts], pooled[num_experts:-1], pooled[-1]
+        return self.coef * num_experts * ((tokens_E / rows) * (probs_E / rows)).sum()
 
 
 def load_balancing_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor) -> torch.Tensor:
@@ -271,7 +296,9 @@ class MoE(Module):
     accumulates the routed counts of every forward, for load metrics and ``update_bias_correction``;
     read it with ``pop_tokens_per_expert``. With ``router_aux_loss_coef > 0`` every forward stores its
     router statistics in ``aux_loss`` (a :class:`LoadBalanceStats`; the block pops it and the decoder
-    pools all layers into one loss, as HF does).
+    pools all layers into one loss, as HF does). When the layout splits a forward's rows over ranks, the
+    parallelize path calls ``set_token_split(pool)`` and the statistics are summed over them before the
+    product (``LoadBalanceStats.pool``).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -305,6 +332,7 @@ class MoE(Module):
         else:
             self.shared_expert_gate = None
         self.aux_loss: LoadBalanceStats | None = None
+        self.token_split: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.dispatcher = LocalTokenDispatcher(num_experts)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
 
@@ -313,7 +341,9 @@ class MoE(Module):
         topk_idx_TK, topk_w_TK, scores_TE = self.gate(x_TD)
         if self.config.router_aux_loss_coef > 0:
             # Sums, not a loss: HF pools the router statistics of all layers before the product.
-            self.aux_loss = LoadBalanceStats.from_router(scores_TE, topk_idx_TK, coef=self.config.router_aux_loss_coef)
+            self.aux_loss = LoadBalanceStats.from_router(
+                scores_TE, topk_idx_TK, coef=self.config.router_aux_loss_coef, pool=self.token_split
+            )
         self._record_load(topk_idx_TK)
         x_SD, num_tokens_per_expert_E, state = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_w_TK)
         y_SD = self.experts(x_SD, num_tokens_per_expert_E)
@@ -324,6 +354,12 @@ class MoE(Module):
                 shared_TD = shared_TD * torch.sigmoid(self.shared_expert_gate(x_TD))
             out_TD = out_TD + shared_TD
         return out_TD.view(x.shape)
+
+    def set_token_split(self, pool: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Sum the aux-loss statistics with ``pool`` (a differentiable sum over the ranks that split each forward's
+        rows: context parallel, tensor parallel's sequence shards) before the product; the parallelize path
+        calls it (``distributed/token_split.py``)."""
+        self.token_split = pool
 
     @torch.no_grad()
     def _record_load(self, topk_idx_TK: torch.Tensor) -> None:

@@ -74,8 +74,11 @@ class MTP(Module):
         zero_embedding_at_document_start: bool = False
         """Zero the embedding input at position 0 of every document (vLLM's GLM-4.x / DeepSeek drafters do)."""
         loss_weight: float = 0.1
-        """Weight of the MTP loss added to the main loss (Megatron-Bridge's Qwen3.5 value; 0 trains nothing
-        and leaves the run bit-identical to one without MTP)."""
+        """Weight of the MTP cross entropy added to the main loss (Megatron's ``mtp_loss_scaling_factor``; 0
+        trains nothing and leaves the run bit-identical to one without MTP). Each family's builder passes its
+        reference value, ``MTP_LOSS_WEIGHT`` beside it (Qwen3.5 0.1, GLM-4.7-Flash 0.3); 0.1 here is
+        Megatron-Core's ``TransformerConfig`` default. It weighs the cross entropy only: the MTP layer's router
+        aux loss joins the model's aux loss with the full ``router_aux_loss_coef``, as Megatron's router does."""
 
         def __post_init__(self) -> None:
             if len(self.layers) != 1:

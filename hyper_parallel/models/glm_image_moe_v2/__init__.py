@@ -7,10 +7,8 @@ Registers the ``glm_image_moe`` spec (alias ``glm_image_moe_v2``) and offers HF 
 
 from __future__ import annotations
 
-import os
+from collections.abc import Mapping
 from typing import Any
-
-import torch
 
 from hyper_parallel.models.glm_image_moe_v2.hf_config import config_from_hf, config_to_hf
 from hyper_parallel.models.glm_image_moe_v2.model import GlmImageMoeModel, glm_image_moe_config, nextn_reader
@@ -20,8 +18,8 @@ from hyper_parallel.models.glm_image_moe_v2.state_dict import (
     load_hf_weights,
     save_hf_state_dict,
 )
-from hyper_parallel.protocols.hf_io import build_from_hf, save_with_model
-from hyper_parallel.protocols.model_spec import ModelSpec, lazy_function, register_spec
+from hyper_parallel.protocols.hf_model import pretrained_io
+from hyper_parallel.protocols.model_spec import HFMtp, ModelSpec, lazy_function, register_spec
 
 __all__ = [
     "CheckpointKeyError",
@@ -35,57 +33,6 @@ __all__ = [
 ]
 
 
-def from_pretrained(
-    path: str | os.PathLike,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    mtp: bool = False,
-    **config_overrides: Any,
-) -> GlmImageMoeModel:
-    """Build a GlmImageMoeModel from an HF folder (GlmImageMoe or plain Glm4MoeLite; sharded or single).
-
-    ``config_overrides`` replace top-level fields of the model config (e.g. ``codebook_size`` for a
-    text-only checkpoint). Parts a Glm4MoeLite checkpoint lacks (codebook, projection, image head
-    rows) keep their seeded initialisation. ``mtp=True``: the MTP block on with the checkpoint's
-    ``num_nextn_predict_layers`` (the nextn layer ``model.layers.{num_hidden_layers}.*`` loads into it).
-    """
-    return build_from_hf(
-        GlmImageMoeModel,
-        path,
-        load_weights=load_hf_weights,
-        dtype=dtype,
-        device=device,
-        config_overrides=config_overrides,
-        config_from_hf=nextn_reader(config_from_hf) if mtp else config_from_hf,
-    )
-
-
-def save_pretrained(
-    model: GlmImageMoeModel,
-    path: str | os.PathLike,
-    *,
-    max_shard_size: int | str = "5GB",
-    text_only: bool = False,
-    dtype: torch.dtype | None = None,
-    state_dict: dict[str, torch.Tensor] | None = None,
-) -> list[str]:
-    """Write ``model`` (or ``state_dict``, e.g. EMA weights) as an HF folder with ``config.json``.
-
-    ``text_only=True`` writes the backbone and head rows ``[0, V)`` as a plain Glm4MoeLite checkpoint
-    that ``transformers.Glm4MoeLiteForCausalLM.from_pretrained`` loads.
-    """
-    return save_with_model(
-        save_hf_state_dict,
-        model,
-        path,
-        state_dict=state_dict,
-        max_shard_size=max_shard_size,
-        text_only=text_only,
-        dtype=dtype,
-    )
-
-
 def _data_facts(config: GlmImageMoeModel.Config) -> dict[str, Any]:
     # What a DirectToken source checks samples against (docs/design.md section 5).
     return {
@@ -95,18 +42,49 @@ def _data_facts(config: GlmImageMoeModel.Config) -> dict[str, Any]:
     }
 
 
-GLM_IMAGE_MOE_SPEC = ModelSpec(
-    name="glm_image_moe",
-    model=GlmImageMoeModel,
-    # parallelize.py imports the distributed stack; keep `import hyper_parallel.models.glm_image_moe_v2` light.
-    parallelize_fn=lazy_function(f"{__name__}.parallelize", "parallelize_glm_image_moe"),
-    state_dict_adapter=GlmImageMoeStateDictAdapter,
-    flavor="glm_image_moe_debug",
-    from_pretrained=from_pretrained,
-    save_pretrained=save_pretrained,
-    load_hf_weights=load_hf_weights,
-    validate_layout=lazy_function(f"{__name__}.parallelize", "validate_glm_image_moe_layout"),
-    data_sources=("direct_token", "preset_pt", "dummy"),
-    data_facts=_data_facts,
+def _nextn_prefixes(hf: Mapping[str, Any]) -> tuple[str, ...]:
+    # the nextn layer is layer L = num_hidden_layers, under either format's prefix (state_dict.py)
+    n = (hf.get("text_config") or hf).get("num_hidden_layers")
+    return (f"model.layers.{n}.", f"model.language_model.layers.{n}.")
+
+
+def _fields_not_in_hf(hf: Mapping[str, Any]) -> tuple[str, ...]:
+    # a text-only Glm4MoeLite folder (GLM-4.7-Flash) has no image path: the recipe's (hf_config.py's defaults else)
+    if hf.get("model_type") == "glm4_moe_lite":
+        return ("codebook_size", "vq_embed_dim", "placeholder_token_id", "image_start_token_id", "image_end_token_id")
+    return ()
+
+
+GLM_IMAGE_MOE_SPEC = pretrained_io(
+    ModelSpec(
+        name="glm_image_moe",
+        model=GlmImageMoeModel,
+        # parallelize.py imports the distributed stack; keep `import hyper_parallel.models.glm_image_moe_v2` light.
+        parallelize_fn=lazy_function(f"{__name__}.parallelize", "parallelize_glm_image_moe"),
+        state_dict_adapter=GlmImageMoeStateDictAdapter,
+        flavor="glm_image_moe_debug",
+        load_hf_weights=load_hf_weights,
+        validate_layout=lazy_function(f"{__name__}.parallelize", "validate_glm_image_moe_layout"),
+        data_sources=("direct_token", "preset_pt", "dummy"),
+        data_facts=_data_facts,
+        config_from_hf=config_from_hf,
+        # GLM-4.7-Flash's nextn layer (vLLM glm4_moe_lite_mtp.py), counted by num_nextn_predict_layers
+        hf_mtp=HFMtp(
+            count_key="num_nextn_predict_layers", config_from_hf=nextn_reader(config_from_hf),
+            tensor_prefixes=_nextn_prefixes,
+        ),  # fmt: skip
+        fields_not_in_hf=_fields_not_in_hf,
+    ),
+    save_state_dict=save_hf_state_dict,
+    save_defaults=lambda model: {"text_only": False},
 )
 register_spec("glm_image_moe", GLM_IMAGE_MOE_SPEC, aliases=("glm_image_moe_v2",))
+from_pretrained = GLM_IMAGE_MOE_SPEC.from_pretrained
+"""``from_pretrained(path, *, dtype=torch.float32, device="cpu", mtp=False, **config_overrides)``: a
+GlmImageMoeModel from an HF folder (GlmImageMoe or plain Glm4MoeLite; sharded or single). ``config_overrides``
+replace top-level fields (e.g. ``codebook_size`` for a text-only checkpoint); parts a Glm4MoeLite checkpoint lacks
+(codebook, projection, image head rows) keep their seeded initialisation. ``mtp=True``: the nextn layer
+``model.layers.{num_hidden_layers}.*`` loads into the MTP block."""
+save_pretrained = GLM_IMAGE_MOE_SPEC.save_pretrained
+"""``save_pretrained(model, path, *, max_shard_size="5GB", text_only=False, dtype=None, state_dict=None)``:
+``text_only=True`` writes the backbone and head rows ``[0, V)`` as a plain Glm4MoeLite checkpoint."""

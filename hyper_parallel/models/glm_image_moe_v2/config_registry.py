@@ -8,8 +8,7 @@ from __future__ import annotations
 from hyper_parallel.components import CheckpointManager, LRSchedulersContainer, MetricsProcessor, OptimizersContainer
 from hyper_parallel.config import ActivationCheckpointConfig, ParallelismConfig, TrainingConfig
 from hyper_parallel.data import TokenDataLoader
-from hyper_parallel.models.common.mtp import with_mtp
-from hyper_parallel.models.glm_image_moe_v2.model import glm_image_moe_config
+from hyper_parallel.models.glm_image_moe_v2.model import glm_image_moe_config, glm_with_mtp
 from hyper_parallel.trainer import Trainer
 
 __all__ = ["glm_image_moe_a3b", "glm_image_moe_a3b_ep8", "glm_image_moe_debug", "glm_image_moe_mtp_debug"]
@@ -37,19 +36,21 @@ def glm_image_moe_debug() -> Trainer.Config:
 
 
 def glm_image_moe_mtp_debug() -> Trainer.Config:
-    """``glm_image_moe_debug`` with the GLM-4.7-Flash nextn (MTP) layer on, loss weight 0.1
-    (``--model.mtp.loss_weight``): the MTP head also predicts image codes two ahead."""
+    """``glm_image_moe_debug`` with the GLM-4.7-Flash nextn (MTP) layer on, loss weight 0.3 (the family's
+    ``MTP_LOSS_WEIGHT``; ``--model.mtp_loss_weight``): the MTP head also predicts image codes two ahead."""
     cfg = glm_image_moe_debug()
-    cfg.model = with_mtp(cfg.model, layer_index=-1, zero_embedding_at_document_start=True)
+    cfg.model = glm_with_mtp(cfg.model)
     return cfg
 
 
 def glm_image_moe_a3b() -> Trainer.Config:
-    """GLM-4.7-Flash dimensions (30B total, ~3B active) with the GlmImage VQ path, bf16 FSDP.
+    """GLM-4.7-Flash dimensions (30B total, ~3B active) with the GlmImage VQ path and the release's nextn (MTP)
+    layer (``num_nextn_predict_layers`` 1, loss weight 0.3), bf16 FSDP: 30.66B parameters.
 
     Full activation checkpointing: without it one 8192-token micro-batch needs ~88 GiB of activations
-    (``python -m hyper_parallel.dry_run`` on 8-64 ranks), more than an 80 GiB GPU holds. A step is 1M tokens
-    (128 micro-batches of 8192 over the data-parallel ranks, whatever their number).
+    (``python -m hyper_parallel.dry_run`` on 8-64 ranks), more than an 80 GiB GPU holds; with it the dry run
+    peaks at 69.15 GiB per rank on 8 ranks (10.85 GiB headroom, MTP layer included). A step is 1M tokens (128
+    micro-batches of 8192 over the data-parallel ranks, whatever their number).
     """
     model = glm_image_moe_config(
         vocab_size=154880, hidden_size=2048, intermediate_size=10240, moe_intermediate_size=1536,
@@ -61,7 +62,7 @@ def glm_image_moe_a3b() -> Trainer.Config:
     )  # fmt: skip
     return Trainer.Config(
         model_spec="glm_image_moe",
-        model=model,
+        model=glm_with_mtp(model),  # the release's nextn layer (num_nextn_predict_layers 1)
         training=TrainingConfig(steps=10000, max_norm=1.0, mixed_precision_param="bfloat16"),
         parallelism=ParallelismConfig(data_parallel_shard_degree=-1),
         activation_checkpoint=ActivationCheckpointConfig(mode="full"),

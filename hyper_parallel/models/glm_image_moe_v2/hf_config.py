@@ -15,8 +15,11 @@ takes GlmImage's defaults. Read as transformers 5.x reads ``Glm4MoeLiteConfig``:
 - ``tie_word_embeddings=True`` is refused: GlmImageMoe's head has ``vocab + codebook`` rows, the embedding
   ``vocab``. ``attention_dropout`` > 0 and a ``hidden_act`` other than silu are refused too.
 
-The writer emits one ``rope_parameters`` (no ``rope_theta`` / ``rope_scaling`` beside it) and explicit
-``mlp_layer_types``.
+The writer emits the folder's form: every key it had, at its level (the RoPE keys as the folder spelled them,
+``models.common.hf_rope.rope_to_hf``; ``first_k_dense_replace`` restated from the layers), plus explicit
+``mlp_layer_types``; without a folder one ``rope_parameters``. A Glm4MoeLite folder read as GlmImageMoe keeps its
+keys in ``text_config`` of the GlmImageMoe form (the model has an image path the folder lacks), or exactly its
+own form with ``text_only``.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hyper_parallel.models.common.feed_forward import FeedForward
-from hyper_parallel.models.common.hf_rope import LEGACY_ROPE_KEYS, read_hf_rope, rope_parameters_to_hf
+from hyper_parallel.models.common.hf_rope import LEGACY_ROPE_KEYS, read_hf_rope, rope_to_hf
 from hyper_parallel.models.common.moe import MoE
 from hyper_parallel.models.glm_image_moe_v2.model import GlmImageMoeModel, glm_image_moe_config
+from hyper_parallel.protocols.hf_quant import without_quantization
 
 __all__ = ["config_from_hf", "config_to_hf"]
 
@@ -82,6 +86,7 @@ def _text_kwargs(text: Mapping[str, Any], where: str) -> dict[str, Any]:
     if rope.mrope_section is not None:
         raise NotImplementedError(f"{where} rope mrope_section={list(rope.mrope_section)}: Glm4MoeLite has 1-D RoPE")
     kwargs["rope_theta"] = rope.theta
+    kwargs["_rope_form"] = rope.form
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads") if kwargs[k] is None]
     if missing or layers is None:
         raise ValueError(f"{where} has null {missing}")
@@ -92,12 +97,29 @@ def _rest(d: Mapping[str, Any], keep: Sequence[str] = ()) -> dict[str, Any]:
     return {k: v for k, v in d.items() if k not in _CONSUMED and k not in keep and not k.startswith("_")}
 
 
+def _form(text: Mapping[str, Any], rope_form: dict[str, Any]) -> dict[str, Any]:
+    """The export's form of a text level: its RoPE keys as written, its consumed keys as read (the writer
+    states every fact it models again; a consumed key it does not write keeps its place and value)."""
+    read = {k: v for k, v in text.items() if k in _CONSUMED and k not in LEGACY_ROPE_KEYS}
+    return {"rope_form": rope_form, "read": read}
+
+
+# GlmImageMoe top-level keys the reader consumes; the rest of the top level is kept and written back
+_TOP_CONSUMED = {
+    "model_type", "text_config", "vq_config", "lang_vocab_size", "placeholder_token_id", "image_start_token_id",
+    "image_end_token_id", "vq_l2_normalize", "freeze_vq", "vq_to_llm_proj_bias", "tie_word_embeddings",
+}  # fmt: skip
+
+
 def config_from_hf(hf: Mapping[str, Any]) -> GlmImageMoeModel.Config:
-    """From an HF ``config.json`` dict: GlmImageMoe (``text_config`` + ``vq_config``) or plain Glm4MoeLite."""
+    """From an HF ``config.json`` dict: GlmImageMoe (``text_config`` + ``vq_config``) or plain Glm4MoeLite.
+    ``quantization_config`` is read by the loader (``hf_quant``) and not kept: the model is dense."""
+    hf = without_quantization(hf)
     model_type = hf.get("model_type")
     if model_type == "glm_image_moe":
         text, vq = dict(hf["text_config"]), dict(hf["vq_config"])
         kwargs = _text_kwargs(text, "text_config")
+        rope_form = kwargs.pop("_rope_form")
         kwargs["vocab_size"] = int(hf.get("lang_vocab_size", kwargs["vocab_size"]))
         extras = {
             "placeholder_token_id": hf["placeholder_token_id"],
@@ -111,16 +133,19 @@ def config_from_hf(hf: Mapping[str, Any]) -> GlmImageMoeModel.Config:
         }
         if hf.get("tie_word_embeddings"):
             raise ValueError("config.json tie_word_embeddings=true: GlmImageMoe's joint head cannot be tied")
-        hf_extra = {"text_config": _rest(text), "vq_config": _rest(vq, keep=("num_embeddings", "embed_dim"))}
+        hf_extra = {"text_config": _rest(text), "vq_config": _rest(vq, keep=("num_embeddings", "embed_dim")),
+                    "top": {k: v for k, v in hf.items() if k not in _TOP_CONSUMED and not k.startswith("_")},
+                    "form": "glm_image_moe", **_form(text, rope_form)}  # fmt: skip
     elif model_type == "glm4_moe_lite":
         kwargs = _text_kwargs(hf, "config.json")
+        rope_form = kwargs.pop("_rope_form")
         # A text-only checkpoint has no image part: take GlmImage's defaults; override in the recipe.
         extras = {
             "placeholder_token_id": hf.get("placeholder_token_id", kwargs["vocab_size"] - 1),
             "codebook_size": 16384,
             "vq_embed_dim": 2048,
         }
-        hf_extra = {"text_config": _rest(hf)}
+        hf_extra = {"text_config": _rest(hf), "form": "glm4_moe_lite", **_form(hf, rope_form)}
     else:
         raise ValueError(f"config.json model_type={model_type!r}: expected 'glm_image_moe' or 'glm4_moe_lite'")
     return glm_image_moe_config(**kwargs, **extras, hf_extra=hf_extra)
@@ -133,8 +158,12 @@ def config_to_hf(cfg: GlmImageMoeModel.Config, *, text_only: bool = False) -> di
     dense = next((layer.mlp for layer in cfg.layers if isinstance(layer.mlp, FeedForward.Config)), None)
     shared = moe.shared_experts if moe is not None else None
     moe_hidden = moe.experts.hidden_dim if moe is not None else 0
+    extra = cfg.hf_extra
+    read = extra.get("read", {})
+    layer_kinds = ["sparse" if isinstance(layer.mlp, MoE.Config) else "dense" for layer in cfg.layers]
     text = {
-        **cfg.hf_extra.get("text_config", {}),
+        **{k: v for k, v in read.items() if k != "architectures"},
+        **extra.get("text_config", {}),
         "model_type": "glm4_moe_lite",
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim,
@@ -155,20 +184,23 @@ def config_to_hf(cfg: GlmImageMoeModel.Config, *, text_only: bool = False) -> di
         "topk_group": moe.gate.topk_group if moe is not None else 1,
         "routed_scaling_factor": moe.gate.route_scale if moe is not None else 1.0,
         "norm_topk_prob": moe.gate.norm_topk_prob if moe is not None else True,
-        "mlp_layer_types": ["sparse" if isinstance(layer.mlp, MoE.Config) else "dense" for layer in cfg.layers],
+        "mlp_layer_types": layer_kinds,
         "rms_norm_eps": cfg.norm.eps,
         "attention_bias": bool(first.kv_a_proj_with_mqa.bias),
         "attention_dropout": 0.0,
         "hidden_act": "silu",
-        "rope_parameters": rope_parameters_to_hf(theta=first.rope.theta),
+        **rope_to_hf(theta=first.rope.theta, form=extra.get("rope_form")),
         "rope_interleave": first.rope.layout == "interleaved",
         "pad_token_id": cfg.embed_tokens.padding_idx,
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": False,
     }
+    if "first_k_dense_replace" in read:  # vLLM's Glm4MoeLite builds its dense layers from it: restated
+        text["first_k_dense_replace"] = next((i for i, kind in enumerate(layer_kinds) if kind != "dense"), len(layer_kinds))
     if text_only:
-        return {**text, "architectures": ["Glm4MoeLiteForCausalLM"]}
+        return {**text, "architectures": read.get("architectures", ["Glm4MoeLiteForCausalLM"])}
     return {
+        **extra.get("top", {}),
         "model_type": "glm_image_moe",
         "architectures": ["GlmImageMoeForConditionalGeneration"],
         "text_config": text,

@@ -19,19 +19,24 @@ import torch.nn.functional as F
 import tyro
 
 from hyper_parallel.models.common.block import TransformerBlock
-from hyper_parallel.models.common.decoder import Decoder
+from hyper_parallel.models.common.decoder import OFF_CLI, Decoder
 from hyper_parallel.models.common.embedding import Embedding
 from hyper_parallel.models.common.feed_forward import FeedForward
 from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.mla import MLAttention
 from hyper_parallel.models.common.moe import GroupedExperts, MoE, Router
-from hyper_parallel.models.common.mtp import mtp_config_like, with_mtp
+from hyper_parallel.models.common.mtp import MTP, mtp_config_like, with_mtp
 from hyper_parallel.models.common.rmsnorm import RMSNorm
 from hyper_parallel.models.common.rope import RoPE
 from hyper_parallel.protocols.model import ModelOutput
 from hyper_parallel.protocols.param_init import NormalInit
 
-__all__ = ["GlmImageMoeModel", "glm_image_moe_config"]
+__all__ = ["MTP_LOSS_WEIGHT", "GlmImageMoeModel", "glm_image_moe_config", "glm_with_mtp"]
+
+MTP_LOSS_WEIGHT = 0.3
+"""Default weight of the MTP (nextn) loss: Megatron-Bridge's GLM-4.7-Flash value,
+``provider.mtp_loss_scaling_factor = 0.3`` in ``src/megatron/bridge/models/glm/glm47_flash_bridge.py``
+(``GLM47FlashBridge.provider_bridge``), not Megatron-Core's generic default 0.1."""
 
 MlpLayerType = Literal["dense", "sparse"]
 
@@ -57,21 +62,29 @@ class GlmImageMoeModel(Decoder):
         """L2-normalise codebook rows before the projection (the GlmImage quantizer's semantics)."""
         freeze_vq: bool = True
         """Keep the codebook frozen: no gradient, never updated, ignored by FSDP."""
-        vq_codebook: Embedding.Config = field(default_factory=Embedding.Config)
+        vq_codebook: Annotated[Embedding.Config, tyro.conf.Suppress, OFF_CLI] = field(default_factory=Embedding.Config)
         """The VQ codebook ``[codebook_size, vq_embed_dim]`` (HF ``model.vqmodel.quantize.embedding``)."""
-        vq_to_llm_proj: Linear.Config = field(default_factory=Linear.Config)
+        vq_to_llm_proj: Annotated[Linear.Config, tyro.conf.Suppress, OFF_CLI] = field(default_factory=Linear.Config)
         """Projection of codebook vectors into the hidden space ``[dim, vq_embed_dim]``; always trains."""
         max_position_embeddings: int = 202752
         """Longest position the checkpoint was trained for (kept for the HF config)."""
         hf_extra: Annotated[dict[str, Any], tyro.conf.Suppress] = field(default_factory=dict)
         """Other HF text_config / vq_config fields, written back unchanged on export (not used here)."""
 
+        fixed_eps_norms: ClassVar[tuple[str, ...]] = ("*.q_a_layernorm", "*.kv_a_layernorm")
+        """HF Glm4MoeLite builds the MLA's low-rank norms with the RMSNorm default 1e-6, not ``rms_norm_eps``."""
+
         def __post_init__(self) -> None:
+            Decoder.Config.__post_init__(self)  # the model-level options (slots dataclass: no zero-argument super)
             if not 0 <= self.placeholder_token_id < self.vocab_size:
                 raise ValueError(
                     f"placeholder_token_id={self.placeholder_token_id} must be a language token id in "
                     f"[0, vocab_size={self.vocab_size}): choose a reserved text token"
                 )
+
+        def mtp_block(self) -> MTP.Config:
+            """``use_mtp=True``: the GLM-4.7-Flash nextn block (``glm_with_mtp``, its default loss weight)."""
+            return glm_with_mtp(self.without_options()).mtp
 
         @property
         def output_size(self) -> int:
@@ -263,14 +276,19 @@ def nextn_reader(
         if not count:
             raise ValueError(
                 "mtp=True but config.json has no num_nextn_predict_layers (the checkpoint ships no nextn layer): "
-                "load without mtp, or start a fresh block with models.common.mtp.with_mtp"
+                "load without mtp, or start a fresh block with glm_with_mtp(config)"
             )
         if count != 1:
             raise NotImplementedError(f"config.json num_nextn_predict_layers={count}: only 1 is implemented")
-        # vLLM glm4_moe_lite_mtp.py: the nextn layer is an MoE layer like the last ones; position 0 zeroed
-        return with_mtp(read(hf), layer_index=-1, zero_embedding_at_document_start=True)
+        return glm_with_mtp(read(hf))
 
     return reader
+
+
+def glm_with_mtp(config: GlmImageMoeModel.Config, *, loss_weight: float = MTP_LOSS_WEIGHT) -> GlmImageMoeModel.Config:
+    """``config`` with the GLM-4.7-Flash nextn (MTP) block on, trained with weight ``loss_weight``."""
+    # vLLM glm4_moe_lite_mtp.py: the nextn layer is an MoE layer like the last ones; position 0 zeroed
+    return with_mtp(config, layer_index=-1, zero_embedding_at_document_start=True, loss_weight=loss_weight)
 
 
 def _local_positions(
@@ -343,7 +361,7 @@ def glm_image_moe_config(
     grouped_mm_impl: str = "auto",
     hf_extra: dict[str, Any] | None = None,
     num_nextn_predict_layers: int = 0,
-    mtp_loss_weight: float = 0.1,
+    mtp_loss_weight: float = MTP_LOSS_WEIGHT,
 ) -> GlmImageMoeModel.Config:
     """The one flavor builder: HF Glm4MoeLite/GlmImage hyper-parameters -> the config tree.
 

@@ -27,7 +27,6 @@ later run with MTP on loads it into the block. With ``config.mtp`` the layers be
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Callable
@@ -279,6 +278,8 @@ def save_hf_state_dict(
     """Write ``state_dict`` (our keys, full tensors) + ``config.json`` as an HF folder."""
     adapter = GlmImageMoeStateDictAdapter(config)
     kept = {k: v for k, v in (passthrough or {}).items() if adapter.kept_to_hf(k, text_only=text_only) is not None}
+    hf_io.warn_dropped(set(passthrough or {}) - set(kept), "a text-only (Glm4MoeLite) export has no image path; "
+                       "export with text_only=False to keep them")  # fmt: skip
 
     def convert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # per tensor (hf_io.save_converted)
         ours = {k: v for k, v in sd.items() if k not in kept}
@@ -295,7 +296,5 @@ def save_hf_state_dict(
     hf_config = config_to_hf(config, text_only=text_only)
     if getattr(config, "mtp", None) is not None:  # the nextn layer count vLLM's Glm4MoeLiteMTP reads
         (hf_config if text_only else hf_config["text_config"])["num_nextn_predict_layers"] = len(config.mtp.layers)
-    hf_config["torch_dtype"] = str(dtype or next(iter(state_dict.values())).dtype).removeprefix("torch.")
-    if hf_io.writes_once(sources):
-        (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
-    return files + ["config.json"]
+    written = dtype or next(iter(state_dict.values())).dtype
+    return files + [hf_io.write_hf_config(path, hf_config, dtype=written, sources=sources)]

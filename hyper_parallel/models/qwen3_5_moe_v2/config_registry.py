@@ -45,23 +45,25 @@ def qwen3_5_moe_a3b() -> Trainer.Config:
 
     From the HF config defaults and the reference doc section 6: hidden 2048, 40 layers (3 DeltaNet : 1
     attention), 16 q / 2 kv heads of 256, rotary 0.25 with mrope (11, 11, 10), DeltaNet Hk 16 / Hv 32 of
-    128, conv 4, 256 experts top-8 of 512, shared expert 512, vocab 248320, untied head. ``rope_theta`` 1e7
-    is the released value reported by third parties (HF's default is 1e4): always load the checkpoint's.
+    128, conv 4, 256 experts top-8 of 512, shared expert 512, vocab 248320, untied head, and the release's MTP
+    block (``mtp_num_hidden_layers`` 1: one more gated-attention MoE layer, 0.85B parameters, 35.51B in all).
+    ``rope_theta`` 1e7 is the released value; a run started from the release folder
+    (``--checkpoint.initial_load_path``) takes every model field from its config.json anyway.
 
-    Sized for one node of 8 x 80 GiB with 10% headroom (dry run): FSDP's fp32 parameter and gradient shards
-    and AdamW's two moments take 64.6 GiB per rank, so every 8192-token sequence is split over 2 ranks
-    (context parallel 2: Ulysses over the 2 K/V heads and 16 DeltaNet key heads), every layer is recomputed in
-    backward, and gradients are reduce-scattered in bf16 (the fp32 reduce buffer of one layer's 256 experts
-    alone is 3.1 GiB): the dry run peaks at 71.57 GiB per rank (10.5% headroom). Without these it peaked at
-    216 GiB (no recomputation) or 74.8 GiB (recomputation only), measured before the dry run scaled each
-    segment of the step to full depth (rough figures).
+    Sized for one node of 8 x 80 GiB (dry run): FSDP's fp32 parameter and gradient shards and AdamW's two
+    moments take 66.1 GiB per rank, so every 8192-token sequence is split over 2 ranks (context parallel 2:
+    Ulysses over the 2 K/V heads and 16 DeltaNet key heads), every layer is recomputed in backward, and
+    gradients are reduce-scattered in bf16 (the fp32 reduce buffer of one layer's 256 experts alone is 3.1
+    GiB): the dry run peaks at 73.20 GiB per rank (8.5% headroom; 71.57 GiB without the MTP block). Without
+    these it peaked at 216 GiB (no recomputation) or 74.8 GiB (recomputation only), measured before the dry run
+    scaled each segment of the step to full depth and without MTP (rough figures).
     """
     model = qwen3_5_moe_config(
         vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
         head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
         linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
         moe_intermediate_size=512, shared_expert_intermediate_size=512, rope_theta=1e7, partial_rotary_factor=0.25,
-        mrope_section=(11, 11, 10), rms_norm_eps=1e-6, max_position_embeddings=262144,
+        mrope_section=(11, 11, 10), rms_norm_eps=1e-6, max_position_embeddings=262144, mtp_num_hidden_layers=1,
     )  # fmt: skip
     cfg = qwen3_5_text_trainer("qwen3_5_moe", model, debug=False)
     cfg.parallelism.context_parallel_degree = 2
@@ -84,7 +86,7 @@ def qwen3_5_moe_a3b_128k() -> Trainer.Config:
     attention has 2 K/V heads, so it gathers K/V over the 8 ranks (Llama 3's all-gather form); Gated DeltaNet's
     16 key heads split 2 per rank (Ulysses). Muon: AdamW's two fp32 moments take 32 GiB per rank here, which
     with the fp32 parameter and gradient shards (16 GiB each) leaves too little for 16k-token activations and
-    the 248k-vocabulary logits.
+    the 248k-vocabulary logits. With the MTP block (a second head pass) the dry run peaks at 63.79 GiB per rank.
     """
     cfg = qwen3_5_moe_a3b()
     cfg.parallelism.context_parallel_degree = 8

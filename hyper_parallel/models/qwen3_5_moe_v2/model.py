@@ -11,9 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hyper_parallel.models.qwen3_5_v2.model import Qwen3_5Model, Qwen3_5TransformerBlock, qwen3_5_config
+from hyper_parallel.models.qwen3_5_v2.model import (
+    MTP_LOSS_WEIGHT,
+    Qwen3_5Model,
+    Qwen3_5TransformerBlock,
+    qwen3_5_config,
+)
 
-__all__ = ["Qwen3_5MoeModel", "Qwen3_5MoeTransformerBlock", "qwen3_5_moe_config"]
+__all__ = ["MTP_LOSS_WEIGHT", "Qwen3_5MoeModel", "Qwen3_5MoeTransformerBlock", "qwen3_5_moe_config"]
+
+# MTP_LOSS_WEIGHT (0.1): the Qwen3.5 family's, re-exported beside this family's builder. Megatron-Bridge gives the
+# MoE models the same value (qwen35_common.py: apply_qwen35_moe_config calls apply_qwen35_common_config).
 
 
 class Qwen3_5MoeTransformerBlock(Qwen3_5TransformerBlock):

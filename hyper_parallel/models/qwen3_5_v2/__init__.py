@@ -8,26 +8,21 @@ format the model was loaded from (``Qwen3_5ForCausalLM`` for a model built from 
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
-import torch
-
 from hyper_parallel.models.qwen3_5_v2.hf_config import config_to_hf
 from hyper_parallel.models.qwen3_5_v2.hf_config import qwen3_5_config_from_hf as config_from_hf
-from hyper_parallel.models.qwen3_5_v2.model import Qwen3_5Model, Qwen3_5TransformerBlock, qwen3_5_config
+from hyper_parallel.models.qwen3_5_v2.model import Qwen3_5Model, Qwen3_5TransformerBlock, mtp_reader, qwen3_5_config
 from hyper_parallel.models.qwen3_5_v2.state_dict import (
     CheckpointKeyError,
     Qwen3_5StateDictAdapter,
     load_hf_weights,
     save_hf_state_dict,
 )
-from hyper_parallel.models.qwen3_5_v2.model import mtp_reader
-from hyper_parallel.protocols.hf_io import build_from_hf, save_with_model
-from hyper_parallel.protocols.model_spec import ModelSpec, lazy_function, register_spec
+from hyper_parallel.protocols.hf_model import pretrained_io
+from hyper_parallel.protocols.model_spec import HFMtp, ModelSpec, lazy_function, register_spec
 
 __all__ = [
     "CheckpointKeyError",
+    "QWEN3_5_MTP",
     "Qwen3_5Model",
     "Qwen3_5StateDictAdapter",
     "Qwen3_5TransformerBlock",
@@ -38,62 +33,35 @@ __all__ = [
     "save_pretrained",
 ]
 
+QWEN3_5_MTP = HFMtp(
+    count_key="mtp_num_hidden_layers",  # vLLM qwen3_5_mtp.py reads it (text_config of a ConditionalGeneration folder)
+    config_from_hf=mtp_reader(config_from_hf),
+    tensor_prefixes=lambda hf: ("mtp.",),
+)
+"""Qwen3.5 folders' MTP block: ``mtp.*`` tensors, counted by ``mtp_num_hidden_layers`` (shared by the MoE family)."""
 
-def from_pretrained(
-    path: str | os.PathLike,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    mtp: bool = False,
-    **config_overrides: Any,
-) -> Qwen3_5Model:
-    """A ``Qwen3_5Model`` from an HF ``Qwen3_5ForCausalLM`` or ``Qwen3_5ForConditionalGeneration`` folder.
-
-    ``mtp=True``: the MTP block on, with the checkpoint's ``mtp_num_hidden_layers``; its ``mtp.*`` weights load
-    into it (without it they are kept as passthrough and written back unchanged).
-    """
-    return build_from_hf(
-        Qwen3_5Model, path, load_weights=load_hf_weights, dtype=dtype, device=device,
-        config_overrides=config_overrides, config_from_hf=mtp_reader(config_from_hf) if mtp else config_from_hf,
-    )  # fmt: skip
-
-
-def save_pretrained(
-    model: Qwen3_5Model,
-    path: str | os.PathLike,
-    *,
-    max_shard_size: int | str = "5GB",
-    text_only: bool | None = None,
-    dtype: torch.dtype | None = None,
-    state_dict: dict[str, torch.Tensor] | None = None,
-) -> list[str]:
-    """Write ``model`` (or ``state_dict``, e.g. EMA weights) as an HF folder with ``config.json``.
-
-    ``text_only`` default: the ConditionalGeneration layout (with the kept visual/mtp keys) iff the model was
-    loaded from one, else ``Qwen3_5(Moe)ForCausalLM``. Experts are written per expert (what HF writes).
-    """
-    return save_with_model(
-        save_hf_state_dict,
-        model,
-        path,
-        state_dict=state_dict,
-        max_shard_size=max_shard_size,
-        text_only=text_only,
-        dtype=dtype,
-    )
-
-
-QWEN3_5_SPEC = ModelSpec(
-    name="qwen3_5",
-    model=Qwen3_5Model,
-    # parallelize.py imports the distributed stack; keep `import hyper_parallel.models.qwen3_5_v2` light.
-    parallelize_fn=lazy_function(f"{__name__}.parallelize", "parallelize_qwen3_5"),
-    state_dict_adapter=Qwen3_5StateDictAdapter,
-    flavor="qwen3_5_debug",
-    from_pretrained=from_pretrained,
-    save_pretrained=save_pretrained,
-    load_hf_weights=load_hf_weights,
-    validate_layout=lazy_function(f"{__name__}.parallelize", "validate_qwen3_5_layout"),
-    # data_sources / data_facts: the defaults (text, preset_pt, dummy; the vocabulary size)
+QWEN3_5_SPEC = pretrained_io(
+    ModelSpec(
+        name="qwen3_5",
+        model=Qwen3_5Model,
+        # parallelize.py imports the distributed stack; keep `import hyper_parallel.models.qwen3_5_v2` light.
+        parallelize_fn=lazy_function(f"{__name__}.parallelize", "parallelize_qwen3_5"),
+        state_dict_adapter=Qwen3_5StateDictAdapter,
+        flavor="qwen3_5_debug",
+        load_hf_weights=load_hf_weights,
+        validate_layout=lazy_function(f"{__name__}.parallelize", "validate_qwen3_5_layout"),
+        config_from_hf=config_from_hf,
+        hf_mtp=QWEN3_5_MTP,
+        # data_sources / data_facts: the defaults (text, preset_pt, dummy; the vocabulary size)
+    ),
+    # text_only default: the ConditionalGeneration layout (with the kept visual/mtp keys) iff the model was loaded
+    # from one, else Qwen3_5(Moe)ForCausalLM; experts are written per expert (what HF writes)
+    save_state_dict=save_hf_state_dict,
 )
 register_spec("qwen3_5", QWEN3_5_SPEC, aliases=("qwen3_5_v2",))
+from_pretrained = QWEN3_5_SPEC.from_pretrained
+"""``from_pretrained(path, *, dtype=torch.float32, device="cpu", mtp=False, **config_overrides)``: a ``Qwen3_5Model``
+from an HF ``Qwen3_5ForCausalLM`` or ``Qwen3_5ForConditionalGeneration`` folder (``mtp=True``: the MTP block on,
+its ``mtp.*`` weights loaded; ``None``: on iff the folder ships one)."""
+save_pretrained = QWEN3_5_SPEC.save_pretrained
+"""``save_pretrained(model, path, *, max_shard_size="5GB", text_only=None, dtype=None, state_dict=None)``."""

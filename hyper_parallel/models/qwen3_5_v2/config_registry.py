@@ -24,7 +24,7 @@ def qwen3_5_debug(*, mtp_num_hidden_layers: int = 0) -> Trainer.Config:
 
 
 def qwen3_5_mtp_debug() -> Trainer.Config:
-    """``qwen3_5_debug`` with the MTP block on (``mtp.*``, loss weight 0.1; ``--model.mtp.loss_weight``)."""
+    """``qwen3_5_debug`` with the MTP block on (``mtp.*``, loss weight 0.1; ``--model.mtp_loss_weight``)."""
     return qwen3_5_debug(mtp_num_hidden_layers=1)
 
 

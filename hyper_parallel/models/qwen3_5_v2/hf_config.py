@@ -18,9 +18,10 @@ VL model (``qwen3_vl_moe_v2.state_dict``). It builds the model transformers buil
   the key. ``shared_expert_intermediate_size = 0`` (HF: an empty shared expert adding exactly 0) builds no
   shared expert.
 
-The writer emits one consistent dict: a single ``rope_parameters`` (no legacy ``rope_scaling`` /
-``rope_theta`` / ``partial_rotary_factor`` beside it), explicit ``layer_types``, ``tie_word_embeddings``
-on both levels of a ConditionalGeneration config.
+The writer emits the folder's form: every key the folder had, at its level (the RoPE keys as the folder spelled
+them, ``models.common.hf_rope.rope_to_hf``; ``full_attention_interval`` beside the explicit ``layer_types``),
+with what the config models restated, ``tie_word_embeddings`` on both levels of a ConditionalGeneration config.
+Without a folder: one ``rope_parameters`` dict and explicit ``layer_types``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any, TypeVar
 
 from hyper_parallel.models.common.gated_attention import GatedAttention
 from hyper_parallel.models.common.gated_deltanet import GatedDeltaNet
-from hyper_parallel.models.common.hf_rope import LEGACY_ROPE_KEYS, read_hf_rope, rope_parameters_to_hf
+from hyper_parallel.models.common.hf_rope import LEGACY_ROPE_KEYS, read_hf_rope, rope_to_hf
 from hyper_parallel.models.common.moe import MoE
 from hyper_parallel.models.qwen3_5_v2.model import (
     Qwen3_5Model,
@@ -38,6 +39,7 @@ from hyper_parallel.models.qwen3_5_v2.model import (
     layer_types_of,
     qwen3_5_config,
 )
+from hyper_parallel.protocols.hf_quant import without_quantization
 from hyper_parallel.protocols.param_init import NormalInit
 
 __all__ = ["config_from_hf", "config_to_hf", "qwen3_5_config_from_hf", "text_config_from_hf", "text_config_to_hf"]
@@ -126,6 +128,10 @@ def text_config_from_hf(
         "text": {k: v for k, v in text.items() if k not in _CONSUMED and not k.startswith("_")},
         "aux": {k: text[k] for k in ("router_aux_loss_coef", "output_router_logits") if k in text},
         "mrope_interleaved": rope.mrope_interleaved,
+        # the export's form: the RoPE keys as written, and the consumed keys as read (the writer states every
+        # fact it models again; a consumed key it does not write keeps its place and value)
+        "rope_form": rope.form,
+        "read": {k: v for k, v in text.items() if k in _CONSUMED and k not in LEGACY_ROPE_KEYS},
     }
     if top is not None:
         extra["top"] = dict(top)
@@ -152,8 +158,10 @@ def config_from_hf(
     """Our config from an HF ``config.json`` dict of the dense (``moe=False``) or MoE family.
 
     ``qwen3_5(_moe)_text`` (``*ForCausalLM``) or ``qwen3_5(_moe)`` with a ``text_config``
-    (``*ForConditionalGeneration``; the non-text part is kept and written back).
+    (``*ForConditionalGeneration``; the non-text part is kept and written back). ``quantization_config`` is
+    read by the loader (``hf_quant``) and not kept: the model is dense.
     """
+    hf = without_quantization(hf)
     family = "qwen3_5_moe" if moe else "qwen3_5"
     model_type = hf.get("model_type")
     if model_type in _FAMILIES or str(model_type).removesuffix("_text") in _FAMILIES:
@@ -186,6 +194,16 @@ def qwen3_5_config_from_hf(hf: Mapping[str, Any]) -> Qwen3_5Model.Config:
     return config_from_hf(hf, moe=False, config_cls=Qwen3_5Model.Config, block_cls=Qwen3_5TransformerBlock)
 
 
+def _interval_of(types: list[str], read: Any) -> Any:
+    """``full_attention_interval`` of ``types`` when they are 'full every n-th layer', else the value as read
+    (transformers builds from the explicit ``layer_types``, which the export always writes)."""
+    if "full_attention" in types:
+        n = types.index("full_attention") + 1
+        if types == ["linear_attention" if (i + 1) % n else "full_attention" for i in range(len(types))]:
+            return n
+    return read
+
+
 def text_config_to_hf(cfg: Qwen3_5Model.Config) -> dict[str, Any]:
     """The HF text config dict of ``cfg`` (without ``model_type``; :func:`config_to_hf` adds it)."""
     extra = cfg.hf_extra
@@ -193,12 +211,14 @@ def text_config_to_hf(cfg: Qwen3_5Model.Config) -> dict[str, Any]:
     attn = next((layer.self_attn for layer in cfg.layers if isinstance(layer.self_attn, GatedAttention.Config)), None)
     mlp = cfg.layers[0].mlp
     init = cfg.lm_head.param_init
+    types = layer_types_of(cfg)
     text: dict[str, Any] = {
+        **extra.get("read", {}),
         **extra.get("text", {}),
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim,
         "num_hidden_layers": len(cfg.layers),
-        "layer_types": layer_types_of(cfg),
+        "layer_types": types,
         "rms_norm_eps": cfg.norm.eps,
         "hidden_act": "silu",
         "attention_dropout": 0.0,
@@ -207,6 +227,8 @@ def text_config_to_hf(cfg: Qwen3_5Model.Config) -> dict[str, Any]:
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings,
     }
+    if "full_attention_interval" in text:  # as read; restated when the layer types still follow one interval
+        text["full_attention_interval"] = _interval_of(types, text["full_attention_interval"])
     if gdn is not None:
         text.update(
             linear_num_key_heads=gdn.num_k_heads, linear_num_value_heads=gdn.num_v_heads,
@@ -218,11 +240,11 @@ def text_config_to_hf(cfg: Qwen3_5Model.Config) -> dict[str, Any]:
         text.update(
             num_attention_heads=attn.n_heads, num_key_value_heads=attn.n_kv_heads, head_dim=attn.head_dim,
             attention_bias=attn.q_proj.bias,
-            rope_parameters=rope_parameters_to_hf(
-                theta=rope.theta, partial_rotary_factor=rope.partial_rotary_factor, mrope_section=rope.mrope_section,
-                mrope_interleaved=extra.get("mrope_interleaved"),
-            ),
         )  # fmt: skip
+        text.update(rope_to_hf(
+            theta=rope.theta, partial_rotary_factor=rope.partial_rotary_factor, mrope_section=rope.mrope_section,
+            mrope_interleaved=extra.get("mrope_interleaved"), form=extra.get("rope_form"),
+        ))  # fmt: skip
     if isinstance(mlp, MoE.Config):
         shared = mlp.shared_experts
         text.update(
@@ -231,7 +253,9 @@ def text_config_to_hf(cfg: Qwen3_5Model.Config) -> dict[str, Any]:
             shared_expert_intermediate_size=shared.hidden_dim if shared is not None else 0,
         )  # fmt: skip
         aux = dict(extra.get("aux", {}))
-        if mlp.router_aux_loss_coef > 0:
+        # The aux-loss coefficient is a training option (--model.router_aux_loss_coef): a config read from a folder
+        # writes the folder's keys back as they were; a recipe's model states its own.
+        if mlp.router_aux_loss_coef > 0 and "read" not in extra:
             aux = {"router_aux_loss_coef": mlp.router_aux_loss_coef, "output_router_logits": True}
         text.update(aux)
     else:

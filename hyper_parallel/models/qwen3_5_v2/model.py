@@ -30,12 +30,13 @@ from hyper_parallel.models.common.gated_delta_rule import GatedDeltaRule
 from hyper_parallel.models.common.gated_deltanet import CausalConv1d, GatedDeltaNet
 from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.moe import GroupedExperts, MoE, Router
-from hyper_parallel.models.common.mtp import mtp_config_like, with_mtp
+from hyper_parallel.models.common.mtp import MTP, mtp_config_like, with_mtp
 from hyper_parallel.models.common.qwen3_5_norm import GatedRMSNorm, Qwen3_5RMSNorm
 from hyper_parallel.models.common.rope import RoPE
 from hyper_parallel.protocols.param_init import NormalInit
 
 __all__ = [
+    "MTP_LOSS_WEIGHT",
     "LayerType",
     "Qwen3_5Model",
     "Qwen3_5TransformerBlock",
@@ -45,6 +46,12 @@ __all__ = [
 ]
 
 LayerType = Literal["linear_attention", "full_attention"]
+
+MTP_LOSS_WEIGHT = 0.1
+"""Default weight of the MTP loss, for Qwen3.5 dense and MoE (and the Qwen3.5-MoE VL model): Megatron-Bridge's
+value, ``config.mtp_loss_scaling_factor = 0.1`` in ``apply_qwen35_common_config``
+(``src/megatron/bridge/models/qwen/qwen35_common.py``, used by the Qwen3.5 text bridges) and
+``provider.mtp_loss_scaling_factor = 0.1`` in ``src/megatron/bridge/models/qwen_vl/qwen35_vl_bridge.py``."""
 
 
 class Qwen3_5TransformerBlock(TransformerBlock):
@@ -84,6 +91,10 @@ class Qwen3_5Model(Decoder):
             """Whether the layers' MLPs are MoEs (the ``qwen3_5_moe`` family)."""
             return any(isinstance(layer.mlp, MoE.Config) for layer in self.layers)
 
+        def mtp_block(self) -> MTP.Config:
+            """``use_mtp=True``: the Qwen3.5 MTP block (``qwen3_5_with_mtp``, its default loss weight)."""
+            return qwen3_5_with_mtp(self.without_options()).mtp
+
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.hf_passthrough: dict = {}
@@ -93,7 +104,7 @@ class Qwen3_5Model(Decoder):
 C = TypeVar("C", bound=Qwen3_5Model.Config)
 
 
-def qwen3_5_with_mtp(config: C, *, loss_weight: float = 0.1) -> C:
+def qwen3_5_with_mtp(config: C, *, loss_weight: float = MTP_LOSS_WEIGHT) -> C:
     """``config`` (e.g. read from an HF folder whose ``mtp_num_hidden_layers`` is 1) with the MTP block on: one
     gated-attention layer like the trunk's full-attention layers (vLLM ``qwen3_5_mtp.py``)."""
     full = [i for i, t in enumerate(layer_types_of(config)) if t == "full_attention"]
@@ -155,7 +166,7 @@ def qwen3_5_config(
     chunk_size: int = 64,
     hf_extra: dict[str, Any] | None = None,
     mtp_num_hidden_layers: int = 0,
-    mtp_loss_weight: float = 0.1,
+    mtp_loss_weight: float = MTP_LOSS_WEIGHT,
     config_cls: type[C] = Qwen3_5Model.Config,
     block_cls: type[Qwen3_5TransformerBlock] = Qwen3_5TransformerBlock,
 ) -> C:

@@ -24,7 +24,6 @@ them leaves the block at its initialisation. Without ``config.mtp`` they are kep
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Callable
@@ -219,26 +218,30 @@ def save_hf_state_dict(
     if text_only is None:
         text_only = "top" not in config.hf_extra
     adapter = Qwen3_5StateDictAdapter(config)
-    kept: dict[str, Any] = {}
-    if not text_only:  # the ConditionalGeneration layout, with the kept keys exactly as they were read
-        kept = {k: v for k, v in (passthrough or {}).items() if not (adapter.has_mtp and k.startswith(_MTP))}
+    # the kept keys exactly as they were read (a live MTP block writes its own mtp.*); a CausalLM layout has no
+    # vision tower, but keeps the MTP head (vLLM reads mtp.* in both layouts)
+    kept = {k: v for k, v in (passthrough or {}).items() if not (adapter.has_mtp and k.startswith(_MTP))}
+    if text_only:
+        hf_io.warn_dropped([k for k in kept if not k.startswith(_MTP)], "a text-only (CausalLM) export has no "
+                           "vision tower; export with text_only=False to keep them")  # fmt: skip
+        kept = {k: v for k, v in kept.items() if k.startswith(_MTP)}
 
     def convert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # per tensor (hf_io.save_converted)
         hf = adapter.to_hf({k: v for k, v in sd.items() if k not in kept}, text_only=True)
-        if dtype is not None:
-            hf = {k: v.to(dtype) if v.is_floating_point() else v for k, v in hf.items()}
         if not text_only:
             hf = {_VL + k[len(_TEXT) :] if k.startswith(_TEXT) else k: v for k, v in hf.items()}
-        return hf | {k: v for k, v in sd.items() if k in kept}
+        hf |= {k: v for k, v in sd.items() if k in kept}
+        if dtype is not None:  # one dtype for the whole folder (config.json states it): kept keys too
+            hf = {k: v.to(dtype) if v.is_floating_point() else v for k, v in hf.items()}
+        return hf
 
     path = Path(path)
-    dtype_name = str(dtype or next(iter(state_dict.values())).dtype).removeprefix("torch.")
     sources = {**state_dict, **kept}
     files = hf_io.save_converted(sources, convert, path, max_shard_size=parse_size(max_shard_size))
     hf_config = config_to_hf(config, text_only=text_only)
+    text = hf_config if text_only else hf_config["text_config"]
     if getattr(config, "mtp", None) is not None:  # vLLM's Qwen3_5MultiTokenPredictor reads this count
-        (hf_config if text_only else hf_config["text_config"])["mtp_num_hidden_layers"] = len(config.mtp.layers)
-    (hf_config if text_only else hf_config["text_config"])["dtype"] = dtype_name
-    if hf_io.writes_once(sources):
-        (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
-    return files + ["config.json"]
+        text["mtp_num_hidden_layers"] = len(config.mtp.layers)
+    text.setdefault("dtype", None)  # the text level states it too, as transformers 5 writes (hf_io fills it in)
+    written = dtype or next(iter(state_dict.values())).dtype
+    return files + [hf_io.write_hf_config(path, hf_config, dtype=written, sources=sources)]

@@ -10,11 +10,15 @@ from hyper_parallel.config import ActivationCheckpointConfig, ParallelismConfig,
 from hyper_parallel.data import VisionLanguageDataLoader
 from hyper_parallel.data.vision_language.preprocess import ImageProcessor
 from hyper_parallel.data.vision_language.video import VideoProcessor
-from hyper_parallel.models.qwen3_vl_moe_v2.model import qwen3_5_moe_vl_config, qwen3_vl_moe_config
+from hyper_parallel.models.qwen3_vl_moe_v2.model import (
+    qwen3_5_moe_vl_config,
+    qwen3_5_vl_config,
+    qwen3_vl_moe_config,
+)
 from hyper_parallel.trainer import Trainer
 
 __all__ = [
-    "qwen3_5_moe_vl_debug", "qwen3_5_moe_vl_mtp_debug", "qwen3_vl_moe_a3b", "qwen3_vl_moe_a3b_ep8",
+    "qwen3_5_moe_vl_debug", "qwen3_5_moe_vl_mtp_debug", "qwen3_5_vl_debug", "qwen3_vl_moe_a3b", "qwen3_vl_moe_a3b_ep8",
     "qwen3_vl_moe_debug", "qwen3_vl_moe_sft_debug",
 ]  # fmt: skip
 
@@ -74,10 +78,23 @@ def qwen3_5_moe_vl_debug(*, mtp_num_hidden_layers: int = 0) -> Trainer.Config:
 
 
 def qwen3_5_moe_vl_mtp_debug() -> Trainer.Config:
-    """``qwen3_5_moe_vl_debug`` with the MTP block on (``mtp.*``, loss weight 0.1; ``--model.mtp.loss_weight``):
+    """``qwen3_5_moe_vl_debug`` with the MTP block on (``mtp.*``, loss weight 0.1; ``--model.mtp_loss_weight``):
     the MTP input at a position before an image token is that token's visual feature; the HF export writes
     ``text_config.mtp_num_hidden_layers``."""
     return qwen3_5_moe_vl_debug(mtp_num_hidden_layers=1)
+
+
+def qwen3_5_vl_debug(*, mtp_num_hidden_layers: int = 0) -> Trainer.Config:
+    """Tiny Qwen3.5 dense VL (``Qwen3_5ForConditionalGeneration``: 3 DeltaNet + 1 gated-attention layer with
+    dense SwiGLU MLPs, tied embeddings as the 0.8B-4B releases, tower without deepstack) on the toy VL corpus."""
+    model = qwen3_5_vl_config(
+        vocab_size=520, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, intermediate_size=96, rope_theta=1e7, partial_rotary_factor=0.25,
+        mrope_section=(2, 1, 1), max_position_embeddings=4096, vision=dict(_TOY_VISION), **_TOY_IDS,
+        tie_word_embeddings=True, mtp_num_hidden_layers=mtp_num_hidden_layers,
+    )  # fmt: skip
+    return _debug_trainer(model, "qwen3_vl_moe")
 
 
 def qwen3_vl_moe_a3b() -> Trainer.Config:
@@ -85,7 +102,8 @@ def qwen3_vl_moe_a3b() -> Trainer.Config:
 
     Text: hidden 2048, 48 layers, 32 q / 4 kv heads of 128, full-rotary M-RoPE (24, 20, 20), theta 5e6,
     128 experts top-8 of 768, vocab 151936, untied. Tower: depth 27, width 1152, 16 heads, MLP 4304,
-    patch 16, 48 x 48 positions, deepstack after blocks 8, 16, 24. Load real weights with from_pretrained.
+    patch 16, 48 x 48 positions, deepstack after blocks 8, 16, 24. No MTP block: the release ships none. Start
+    from the release with ``--checkpoint.initial_load_path`` (its config.json is then the model).
     """
     model = qwen3_vl_moe_config(
         vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,

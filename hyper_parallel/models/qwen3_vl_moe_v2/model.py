@@ -1,4 +1,4 @@
-"""Qwen3-VL-MoE and Qwen3.5-MoE vision-language models: ``VisionTower`` + a text ``Decoder``.
+"""Qwen3-VL-MoE, Qwen3.5-MoE and Qwen3.5 (dense) vision-language models: ``VisionTower`` + a text ``Decoder``.
 
 Legend: B batch, T tokens, D text hidden size, M merged visual tokens of the batch (all images).
 
@@ -7,13 +7,16 @@ Legend: B batch, T tokens, D text hidden size, M merged visual tokens of the bat
               h[image tokens] += deepstack[i]          for i < len(deepstack)   (Qwen3-VL only)
     logits         = lm_head(norm(h))
 
-One package, two text families (``text_family``; the layers' configs say which):
+One package, three text families (``text_family``; the layers' configs say which, nothing else is stored):
 
 - ``qwen3_vl_moe`` (HF ``Qwen3VLMoeForConditionalGeneration``): GQA with Llama-style q/k RMSNorm, full-rotary
   interleaved M-RoPE, softmax top-k router always renormalised, dense SwiGLU layers from ``mlp_only_layers``
   / ``decoder_sparse_step``, deepstack mergers in the tower.
 - ``qwen3_5_moe`` (HF ``Qwen3_5MoeForConditionalGeneration``): the Qwen3.5-MoE hybrid stack (Gated DeltaNet
   / gated attention, zero-centred norms, shared expert), no deepstack.
+- ``qwen3_5`` (HF ``Qwen3_5ForConditionalGeneration``, the dense 0.8B-27B releases): the same hybrid stack
+  with dense SwiGLU MLPs (``mlp.gate_proj/up_proj/down_proj``), tied embeddings for the small sizes, the
+  same tower and MTP block as the MoE one.
 
 M-RoPE positions: when ``position_ids`` is None they are computed per document (HF ``get_rope_index``;
 in packed rows every document restarts at 0). A micro-batch without images still runs the tower on one
@@ -34,7 +37,7 @@ import tyro
 from hyper_parallel.data.vision_language.mrope import mrope_position_ids
 from hyper_parallel.models.common.attention import AttentionMeta, CPShard, VarlenAttention
 from hyper_parallel.models.common.block import TransformerBlock, combine_aux_losses
-from hyper_parallel.models.common.decoder import Decoder
+from hyper_parallel.models.common.decoder import OFF_CLI, Decoder
 from hyper_parallel.models.common.embedding import Embedding
 from hyper_parallel.models.common.feed_forward import FeedForward
 from hyper_parallel.models.common.gated_attention import GatedAttention
@@ -42,15 +45,31 @@ from hyper_parallel.models.common.gated_deltanet import GatedDeltaNet
 from hyper_parallel.models.common.gqa import GQAttention
 from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.moe import GroupedExperts, MoE, Router
+from hyper_parallel.models.common.mtp import MTP
 from hyper_parallel.models.common.rmsnorm import RMSNorm
 from hyper_parallel.models.common.rope import RoPE
+from hyper_parallel.models.qwen3_5_v2.model import MTP_LOSS_WEIGHT, qwen3_5_config, qwen3_5_with_mtp
 from hyper_parallel.models.qwen3_vl_moe_v2.vision import VisionTower, vision_tower_config
 from hyper_parallel.protocols.model import ModelOutput
 from hyper_parallel.protocols.param_init import NormalInit
 
-__all__ = ["Qwen3VlMoeModel", "TextFamily", "qwen3_5_moe_vl_config", "qwen3_vl_moe_config", "text_family_of"]
+__all__ = [
+    "MTP_LOSS_WEIGHT",
+    "QWEN3_5_FAMILIES",
+    "Qwen3VlMoeModel",
+    "TextFamily",
+    "qwen3_5_moe_vl_config",
+    "qwen3_5_vl_config",
+    "qwen3_vl_moe_config",
+    "text_family_of",
+]
 
-TextFamily = Literal["qwen3_vl_moe", "qwen3_5_moe"]
+# MTP_LOSS_WEIGHT (0.1): the MTP block of the Qwen3.5-MoE VL model is the Qwen3.5-MoE one (qwen3_5_moe_vl_config);
+# Megatron-Bridge's Qwen3.5 VL bridge uses the same value (qwen_vl/qwen35_vl_bridge.py). Qwen3-VL-MoE has no MTP.
+
+TextFamily = Literal["qwen3_vl_moe", "qwen3_5_moe", "qwen3_5"]
+QWEN3_5_FAMILIES: tuple[TextFamily, ...] = ("qwen3_5_moe", "qwen3_5")
+"""The text families whose layers are the Qwen3.5 hybrid stack (their HF text part is ``qwen3_5_v2``'s)."""
 
 
 class _Embedded(NamedTuple):
@@ -69,9 +88,13 @@ class _Embedded(NamedTuple):
 
 
 def text_family_of(config: Decoder.Config) -> TextFamily:
-    """``qwen3_5_moe`` when the layers are Qwen3.5 mixers (gated attention / Gated DeltaNet), else ``qwen3_vl_moe``."""
+    """``qwen3_5_moe`` / ``qwen3_5`` when the layers are Qwen3.5 mixers (gated attention / Gated DeltaNet) with
+    MoE / dense MLPs, else ``qwen3_vl_moe`` (whose dense-only trees are Qwen3-VL-MoE with every layer in
+    ``mlp_only_layers``)."""
     mixers = (GatedAttention.Config, GatedDeltaNet.Config)
-    return "qwen3_5_moe" if any(isinstance(layer.self_attn, mixers) for layer in config.layers) else "qwen3_vl_moe"
+    if not any(isinstance(layer.self_attn, mixers) for layer in config.layers):
+        return "qwen3_vl_moe"
+    return "qwen3_5_moe" if any(isinstance(layer.mlp, MoE.Config) for layer in config.layers) else "qwen3_5"
 
 
 class Qwen3VlMoeModel(Decoder):
@@ -81,8 +104,8 @@ class Qwen3VlMoeModel(Decoder):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Decoder.Config):
-        visual: VisionTower.Config
-        """The vision tower (its output width is the text ``dim``)."""
+        visual: Annotated[VisionTower.Config, tyro.conf.Suppress, OFF_CLI]
+        """The vision tower (its output width is the text ``dim``); a run file can still set its fields."""
         image_token_id: int
         """Placeholder id of one merged visual token (HF ``image_token_id``)."""
         vision_start_token_id: int
@@ -104,6 +127,12 @@ class Qwen3VlMoeModel(Decoder):
         def text_family(self) -> TextFamily:
             """Which HF text model the layers are (see the module docstring)."""
             return text_family_of(self)
+
+        def mtp_block(self) -> MTP.Config:
+            """``use_mtp=True``: the Qwen3.5(-MoE) MTP block (``qwen3_5_with_mtp``); Qwen3-VL-MoE has none."""
+            if self.text_family not in QWEN3_5_FAMILIES:
+                return Decoder.Config.mtp_block(self)
+            return qwen3_5_with_mtp(self.without_options()).mtp
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
@@ -503,7 +532,21 @@ def qwen3_vl_moe_config(
     )
 
 
-def qwen3_5_moe_vl_config(
+def qwen3_5_moe_vl_config(**kwargs: Any) -> Qwen3VlMoeModel.Config:
+    """The Qwen3.5-MoE VL config tree: ``qwen3_5_moe_config(**text)`` layers + the tower (no deepstack)."""
+    from hyper_parallel.models.qwen3_5_moe_v2.model import qwen3_5_moe_config
+
+    return qwen3_5_family_vl_config(qwen3_5_moe_config, **kwargs)
+
+
+def qwen3_5_vl_config(**kwargs: Any) -> Qwen3VlMoeModel.Config:
+    """The Qwen3.5 dense VL config tree (``Qwen3_5ForConditionalGeneration``): ``qwen3_5_config(**text)``
+    layers (give ``intermediate_size``; dense SwiGLU MLPs) + the tower (no deepstack)."""
+    return qwen3_5_family_vl_config(qwen3_5_config, **kwargs)
+
+
+def qwen3_5_family_vl_config(
+    text_builder: Any,
     *,
     vision: dict[str, Any],
     image_token_id: int,
@@ -516,12 +559,24 @@ def qwen3_5_moe_vl_config(
     hf_extra: dict[str, Any] | None = None,
     **text: Any,
 ) -> Qwen3VlMoeModel.Config:
-    """The Qwen3.5-MoE VL config tree: ``qwen3_5_moe_config(**text)`` layers + the tower (no deepstack)."""
-    from hyper_parallel.models.qwen3_5_moe_v2.model import qwen3_5_moe_config
-
+    """A Qwen3.5-family VL tree: the layers, embedding, norm, head and MTP block of ``text_builder(**text)``
+    (the text family's own builder: the decoder is a part, not a copy) + the tower (no deepstack)."""
     if vision.get("deepstack_visual_indexes"):
-        raise ValueError("Qwen3.5-MoE has no deepstack: leave vision deepstack_visual_indexes empty")
-    t = qwen3_5_moe_config(**text)
+        raise ValueError("Qwen3.5 has no deepstack: leave vision deepstack_visual_indexes empty")
+    t = text_builder(**text, tie_word_embeddings=tie_word_embeddings)
+    return vl_config_from_text(
+        t, vision=vision_tower_config(**vision), image_token_id=image_token_id,
+        vision_start_token_id=vision_start_token_id, vision_end_token_id=vision_end_token_id,
+        video_token_id=video_token_id, freeze_vision=freeze_vision, freeze_text=freeze_text,
+        hf_extra=dict(hf_extra or {}),
+    )  # fmt: skip
+
+
+def vl_config_from_text(
+    t: Decoder.Config, *, vision: VisionTower.Config, hf_extra: dict[str, Any], **vl: Any
+) -> Qwen3VlMoeModel.Config:
+    """The VL tree of a text decoder config ``t`` (its layers, embedding, norm, head, tying and MTP block)
+    with the tower ``vision`` and the VL fields ``vl`` (token ids, freezing)."""
     return Qwen3VlMoeModel.Config(
         vocab_size=t.vocab_size,
         dim=t.dim,
@@ -530,14 +585,9 @@ def qwen3_5_moe_vl_config(
         norm=t.norm,
         lm_head=t.lm_head,
         max_position_embeddings=t.max_position_embeddings,
-        visual=vision_tower_config(**vision),
-        image_token_id=image_token_id,
-        vision_start_token_id=vision_start_token_id,
-        vision_end_token_id=vision_end_token_id,
-        video_token_id=video_token_id,
-        freeze_vision=freeze_vision,
-        freeze_text=freeze_text,
-        tie_word_embeddings=tie_word_embeddings,
-        hf_extra=dict(hf_extra or {}),
-        mtp=t.mtp,  # mtp_num_hidden_layers in ``text``: the Qwen3.5-MoE MTP block (vLLM qwen3_5_mtp.py)
+        visual=vision,
+        tie_word_embeddings=t.tie_word_embeddings,
+        hf_extra=hf_extra,
+        mtp=t.mtp,  # mtp_num_hidden_layers in the text kwargs: the Qwen3.5 MTP block (vLLM qwen3_5_mtp.py)
+        **vl,
     )

@@ -18,7 +18,7 @@ from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.distributed.parallelize import layout_shardings, parallelize_decoder
 from hyper_parallel.models.common.layout import mlp_layout_facts
 from hyper_parallel.models.qwen3_5_v2.parallelize import qwen_ffn_name, validate_qwen3_5_layout
-from hyper_parallel.models.qwen3_vl_moe_v2.model import Qwen3VlMoeModel
+from hyper_parallel.models.qwen3_vl_moe_v2.model import QWEN3_5_FAMILIES, Qwen3VlMoeModel
 from hyper_parallel.models.qwen3_vl_moe_v2.sharding import set_qwen3_vl_moe_sharding_config
 
 __all__ = ["parallelize_qwen3_vl_moe", "validate_qwen3_vl_moe_layout"]
@@ -33,7 +33,7 @@ def validate_qwen3_vl_moe_layout(config: Qwen3VlMoeModel.Config, parallel_dims: 
             "sequence parallel splits the residual stream between layers, where deepstack adds visual features "
             f"at whole-sequence positions: set {_P}enable_sequence_parallel false (or use no TP)"
         )
-    if config.text_family == "qwen3_5_moe":
+    if config.text_family in QWEN3_5_FAMILIES:  # Qwen3.5 hybrid text stack, dense or MoE
         validate_qwen3_5_layout(config, parallel_dims)
         return
     attn = config.layers[0].self_attn

@@ -1,4 +1,4 @@
-"""Qwen3-VL-MoE / Qwen3.5-MoE VL <-> HF ``*ForConditionalGeneration`` folders (reference doc 1.10, 3.5).
+"""Qwen3-VL-MoE / Qwen3.5-MoE VL / Qwen3.5 VL <-> HF ``*ForConditionalGeneration`` folders (reference doc 1.10, 3.5).
 
 Ours (in memory)                          HF
   visual.*                                  model.visual.*   (``patch_embed.proj.weight``: ours [C, P], HF Conv3d)
@@ -13,8 +13,10 @@ Text layers, per family:
   (``experts_layout=``) - never by comparing shapes, which cannot tell them apart when ``H == 2I``.
   A folder is written back in the layout it was read in (``model.hf_experts_layout``), with a
   ``transformers_version`` that says so.
-- ``qwen3_5_moe``: the Qwen3.5 mapping (``qwen3_5_v2.state_dict``): ``linear_attn`` / ``shared_expert``
-  names, per-expert keys (fused ones also read), per-expert keys written.
+- ``qwen3_5_moe`` / ``qwen3_5`` (dense, ``Qwen3_5ForConditionalGeneration``): the Qwen3.5 mapping
+  (``qwen3_5_v2.state_dict``): ``linear_attn`` / ``shared_expert`` names, per-expert keys (fused ones also
+  read), per-expert keys written; the dense MLPs are ``mlp.gate_proj/up_proj/down_proj``; a tied folder
+  holds no ``lm_head.weight``.
 
 MTP (``config.mtp``; vLLM ``qwen3_5_mtp.py`` reads ``mtp.*``, transformers ignores them): ``mtp.*`` at the top
 level map to the block (Qwen3.5 names; a Qwen3-VL-MoE block, which no release has, keeps our names), and the
@@ -23,7 +25,6 @@ export writes ``text_config.mtp_num_hidden_layers``. Without ``config.mtp`` they
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -31,11 +32,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from hyper_parallel.models.common.hf_rope import LEGACY_ROPE_KEYS, read_hf_rope, rope_parameters_to_hf
+from hyper_parallel.models.common.hf_rope import LEGACY_ROPE_KEYS, read_hf_rope, rope_to_hf
 from hyper_parallel.models.common.tied_head import HEAD_KEY, tied_head_from_hf, untied_head_hint
 from hyper_parallel.models.qwen3_5_v2.state_dict import Qwen3_5StateDictAdapter
+
+# the text families whose HF text part is the Qwen3.5 one (as model.QWEN3_5_FAMILIES; this module imports model lazily)
+QWEN3_5_FAMILIES = ("qwen3_5_moe", "qwen3_5")
 from hyper_parallel.protocols import hf_io
 from hyper_parallel.protocols.hf_io import CheckpointKeyError, read_hf_config
+from hyper_parallel.protocols.hf_quant import without_quantization
 from hyper_parallel.protocols.state_dict_adapter import BaseStateDictAdapter, parse_size
 
 if TYPE_CHECKING:
@@ -82,7 +87,7 @@ class Qwen3VlMoeStateDictAdapter(BaseStateDictAdapter):
         # A meta tower only for the Conv3d <-> Linear reshape (it needs no weights).
         with torch.device("meta"):
             self._tower = VisionTower(model_config.visual, out_dim=model_config.dim)
-        self._qwen3_5 = Qwen3_5StateDictAdapter(model_config) if self.family == "qwen3_5_moe" else None
+        self._qwen3_5 = Qwen3_5StateDictAdapter(model_config) if self.family in QWEN3_5_FAMILIES else None
 
     # ---- ours -> HF -------------------------------------------------------------------------
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -182,13 +187,15 @@ _VL_CONSUMED = set(_VL_TEXT_KEYS) | set(LEGACY_ROPE_KEYS) | {
     "num_key_value_heads", "head_dim", "mlp_only_layers", "model_type", "hidden_act", "attention_dropout",
     "router_aux_loss_coef", "output_router_logits", "tie_word_embeddings", "num_local_experts",
 }  # fmt: skip
-_DEEPSTACK_DEFAULT = {"qwen3_vl_moe": (8, 16, 24), "qwen3_5_moe": ()}  # vision_config classes' defaults
+_DEEPSTACK_DEFAULT = {"qwen3_vl_moe": (8, 16, 24), "qwen3_5_moe": (), "qwen3_5": ()}  # vision_config classes' defaults
 _IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 _ID_DEFAULTS = {
     "qwen3_vl_moe": dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
                          vision_end_token_id=151653),
     "qwen3_5_moe": dict(image_token_id=248056, video_token_id=248057, vision_start_token_id=248053,
                         vision_end_token_id=248054),
+    "qwen3_5": dict(image_token_id=248056, video_token_id=248057, vision_start_token_id=248053,
+                    vision_end_token_id=248054),  # Qwen3_5Config's defaults (those of the MoE class)
 }  # fmt: skip
 
 
@@ -244,40 +251,44 @@ def _vl_text_kwargs(text: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
         "text": {k: v for k, v in text.items() if k not in _VL_CONSUMED and not k.startswith("_")},
         "mrope_interleaved": rope.mrope_interleaved,
         "aux": {k: text[k] for k in ("router_aux_loss_coef", "output_router_logits") if k in text},
+        # the export's form (as qwen3_5_v2.hf_config): the RoPE keys as written, the consumed keys as read
+        "rope_form": rope.form,
+        "read": {k: v for k, v in text.items() if k in _VL_CONSUMED and k not in LEGACY_ROPE_KEYS},
     }
     return kwargs, extra
 
 
 def config_from_hf(hf: dict[str, Any]) -> Qwen3VlMoeModel.Config:
-    """Our config from an HF ``config.json`` dict (``model_type`` ``qwen3_vl_moe`` or ``qwen3_5_moe``)."""
+    """Our config from an HF ``config.json`` dict (``model_type`` ``qwen3_vl_moe``, ``qwen3_5_moe`` or ``qwen3_5``)."""
     from hyper_parallel.models.qwen3_5_moe_v2.model import Qwen3_5MoeModel, Qwen3_5MoeTransformerBlock
     from hyper_parallel.models.qwen3_5_v2.hf_config import text_config_from_hf
-    from hyper_parallel.models.qwen3_vl_moe_v2.model import Qwen3VlMoeModel, qwen3_vl_moe_config
+    from hyper_parallel.models.qwen3_5_v2.model import Qwen3_5Model, Qwen3_5TransformerBlock
+    from hyper_parallel.models.qwen3_vl_moe_v2.model import qwen3_vl_moe_config, vl_config_from_text
     from hyper_parallel.models.qwen3_vl_moe_v2.vision import vision_tower_config
 
+    hf = without_quantization(hf)  # read by the loader (hf_quant), not kept: the model is dense
     family = hf.get("model_type")
     if family not in _ID_DEFAULTS or "vision_config" not in hf:
         raise ValueError(
-            f"config.json model_type={family!r}: expected a Qwen3VLMoeForConditionalGeneration ('qwen3_vl_moe') or "
-            "Qwen3_5MoeForConditionalGeneration ('qwen3_5_moe') folder with text_config and vision_config"
+            f"config.json model_type={family!r}: expected a Qwen3VLMoeForConditionalGeneration ('qwen3_vl_moe'), "
+            "Qwen3_5MoeForConditionalGeneration ('qwen3_5_moe') or Qwen3_5ForConditionalGeneration ('qwen3_5') "
+            "folder with text_config and vision_config"
         )
     vision, out_dim = _vision_kwargs(dict(hf["vision_config"]), family)
     ids = {k: int(hf.get(k, _ID_DEFAULTS[family][k])) for k in _IDS}
     tie = bool(hf.get("tie_word_embeddings", False))  # transformers reads the top level for these classes
     top = {k: v for k, v in hf.items() if k not in ("text_config", "tie_word_embeddings", *_IDS)}
     text = dict(hf.get("text_config") or {})
-    if family == "qwen3_5_moe":
+    if family in QWEN3_5_FAMILIES:
         if vision["deepstack_visual_indexes"]:
-            raise ValueError("a qwen3_5_moe vision_config has no deepstack_visual_indexes (Qwen3.5 has no deepstack)")
-        t = text_config_from_hf(
-            text, moe=True, where="text_config", tie_word_embeddings=tie, config_cls=Qwen3_5MoeModel.Config,
-            block_cls=Qwen3_5MoeTransformerBlock,
+            raise ValueError(f"a {family} vision_config has no deepstack_visual_indexes (Qwen3.5 has no deepstack)")
+        moe = family == "qwen3_5_moe"
+        t = text_config_from_hf(  # the text family's own reader: the decoder part, picked by model_type
+            text, moe=moe, where="text_config", tie_word_embeddings=tie,
+            config_cls=Qwen3_5MoeModel.Config if moe else Qwen3_5Model.Config,
+            block_cls=Qwen3_5MoeTransformerBlock if moe else Qwen3_5TransformerBlock,
         )  # fmt: skip
-        cfg = Qwen3VlMoeModel.Config(
-            vocab_size=t.vocab_size, dim=t.dim, layers=t.layers, embed_tokens=t.embed_tokens, norm=t.norm,
-            lm_head=t.lm_head, max_position_embeddings=t.max_position_embeddings, visual=vision_tower_config(**vision),
-            tie_word_embeddings=tie, **ids, hf_extra={**t.hf_extra, "top": top},
-        )  # fmt: skip
+        cfg = vl_config_from_text(t, vision=vision_tower_config(**vision), **ids, hf_extra={**t.hf_extra, "top": top})
     else:
         kwargs, extra = _vl_text_kwargs(text)
         cfg = qwen3_vl_moe_config(
@@ -288,13 +299,28 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen3VlMoeModel.Config:
     return cfg
 
 
+def _sparse_layout(dense: list[int], layers: int, read: dict[str, Any]) -> dict[str, Any]:
+    """``decoder_sparse_step`` + ``mlp_only_layers`` that build the ``dense`` layers: the folder's values when
+    they still do (transformers: layer i is MoE iff i is not in mlp_only_layers and (i + 1) % step == 0),
+    else step 1 and the explicit list."""
+    step, only = read.get("decoder_sparse_step", 1), read.get("mlp_only_layers")
+    if isinstance(step, int) and step >= 1:
+        built = [i for i in range(layers) if i in set(only or ()) or (i + 1) % step]
+        if built == dense:
+            return {"decoder_sparse_step": step, "mlp_only_layers": only}
+    return {"decoder_sparse_step": 1, "mlp_only_layers": dense}
+
+
 def config_to_hf(cfg: Qwen3VlMoeModel.Config) -> dict[str, Any]:
-    """The HF ``config.json`` dict of ``cfg`` (the inverse of :func:`config_from_hf`): one ``rope_parameters``,
-    ``tie_word_embeddings`` on both levels."""
+    """The HF ``config.json`` dict of ``cfg`` (the inverse of :func:`config_from_hf`) in the form of the folder it
+    was read from: every key at its level (the RoPE as the folder spelled it, the vision ``model_type``, the
+    consumed keys as read, the dense/sparse layout keys restated), ``tie_word_embeddings`` on both levels; one
+    ``rope_parameters`` without a folder."""
     from hyper_parallel.models.common.feed_forward import FeedForward
     from hyper_parallel.models.common.moe import MoE
     from hyper_parallel.models.qwen3_5_moe_v2.model import Qwen3_5MoeModel
     from hyper_parallel.models.qwen3_5_v2.hf_config import text_config_to_hf
+    from hyper_parallel.models.qwen3_5_v2.model import Qwen3_5Model
     from hyper_parallel.models.qwen3_vl_moe_v2.vision import vision_tower_config_to_hf
 
     extra = cfg.hf_extra
@@ -302,47 +328,57 @@ def config_to_hf(cfg: Qwen3VlMoeModel.Config) -> dict[str, Any]:
     vision = {**top.get("vision_config", {}), **vision_tower_config_to_hf(cfg.visual, cfg.dim)}
     ids = {k: getattr(cfg, k) for k in _IDS}
     tie = cfg.tie_word_embeddings
-    if cfg.text_family == "qwen3_5_moe":
-        t = Qwen3_5MoeModel.Config(
+    if cfg.text_family in QWEN3_5_FAMILIES:
+        family = cfg.text_family
+        t = (Qwen3_5MoeModel if family == "qwen3_5_moe" else Qwen3_5Model).Config(
             vocab_size=cfg.vocab_size, dim=cfg.dim, layers=cfg.layers, embed_tokens=cfg.embed_tokens, norm=cfg.norm,
             lm_head=cfg.lm_head, max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=tie,
             hf_extra={k: v for k, v in extra.items() if k != "top"},
         )  # fmt: skip
-        text = {**text_config_to_hf(t), "model_type": "qwen3_5_moe_text"}
-        top.setdefault("architectures", ["Qwen3_5MoeForConditionalGeneration"])
-        return {**top, **ids, "model_type": "qwen3_5_moe", "text_config": text, "tie_word_embeddings": tie,
-                "vision_config": {**vision, "model_type": "qwen3_5_moe_vision"}}  # fmt: skip
+        text = {"model_type": f"{family}_text", **text_config_to_hf(t)}
+        arch = "Qwen3_5MoeForConditionalGeneration" if family == "qwen3_5_moe" else "Qwen3_5ForConditionalGeneration"
+        top.setdefault("architectures", [arch])
+        # the vision model_type as the folder spelled it (Qwen3.5 dense releases: "qwen3_5"), else the class's
+        return {**top, **ids, "model_type": family, "text_config": text, "tie_word_embeddings": tie,
+                "vision_config": {"model_type": f"{family}_vision", **vision}}  # fmt: skip
     attn = cfg.layers[0].self_attn
     moes = [layer.mlp for layer in cfg.layers if isinstance(layer.mlp, MoE.Config)]
     dense = [i for i, layer in enumerate(cfg.layers) if isinstance(layer.mlp, FeedForward.Config)]
     ffn = next((layer.mlp for layer in cfg.layers if isinstance(layer.mlp, FeedForward.Config)), None)
+    read = extra.get("read", {})
     text: dict[str, Any] = {
+        **read,
         **extra.get("text", {}),
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "num_hidden_layers": len(cfg.layers),
         "num_attention_heads": attn.n_heads, "num_key_value_heads": attn.n_kv_heads, "head_dim": attn.head_dim,
         "attention_bias": attn.q_proj.bias, "rms_norm_eps": cfg.norm.eps, "hidden_act": "silu",
         "attention_dropout": 0.0,
-        "intermediate_size": ffn.hidden_dim if ffn is not None else extra.get("text", {}).get("intermediate_size", 5632),
-        "mlp_only_layers": dense if moes else [], "decoder_sparse_step": 1,
+        # all-MoE: no dense MLP holds the size; the folder's value (it sizes nothing) or the class default
+        "intermediate_size": ffn.hidden_dim if ffn is not None else read.get("intermediate_size", 5632),
+        **_sparse_layout(dense if moes else [], len(cfg.layers), read),
         "initializer_range": cfg.lm_head.param_init.std if hasattr(cfg.lm_head.param_init, "std") else 0.02,
         "pad_token_id": cfg.embed_tokens.padding_idx, "max_position_embeddings": cfg.max_position_embeddings,
-        "rope_parameters": rope_parameters_to_hf(
-            theta=attn.rope.theta, partial_rotary_factor=attn.rope.partial_rotary_factor,
+        **rope_to_hf(  # a whole-head rotation is what an absent partial_rotary_factor means here
+            theta=attn.rope.theta,
+            partial_rotary_factor=attn.rope.partial_rotary_factor if attn.rope.partial_rotary_factor != 1.0 else None,
             mrope_section=attn.rope.mrope_section, mrope_interleaved=extra.get("mrope_interleaved", True),
+            form=extra.get("rope_form"),
         ),
-        "model_type": "qwen3_vl_moe_text", "tie_word_embeddings": tie,
+        "model_type": read.get("model_type", "qwen3_vl_moe_text"), "tie_word_embeddings": tie,
     }  # fmt: skip
+    if "num_local_experts" in read:  # HF's attribute name, as the folder spelled it
+        text["num_local_experts"] = moes[0].num_experts if moes else 0
     if moes:
         m = moes[0]
         text.update(num_experts=m.num_experts, num_experts_per_tok=m.gate.top_k, moe_intermediate_size=m.experts.hidden_dim)
         text.update(extra.get("aux", {}))
-        if m.router_aux_loss_coef > 0:
+        if m.router_aux_loss_coef > 0 and "read" not in extra:  # a training option: a folder's keys as they were
             text.update(router_aux_loss_coef=m.router_aux_loss_coef, output_router_logits=True)
     else:
         text.update(num_experts=0, mlp_only_layers=list(range(len(cfg.layers))))
     top.setdefault("architectures", ["Qwen3VLMoeForConditionalGeneration"])
     return {**top, **ids, "model_type": "qwen3_vl_moe", "text_config": text,
-            "vision_config": {**vision, "model_type": "qwen3_vl_moe_vision"}, "tie_word_embeddings": tie}  # fmt: skip
+            "vision_config": {"model_type": "qwen3_vl_moe_vision", **vision}, "tie_word_embeddings": tie}  # fmt: skip
 
 
 # ---- HF folders ------------------------------------------------------------------------------
@@ -401,15 +437,12 @@ def save_hf_state_dict(
     hf_config = config_to_hf(config)
     if getattr(config, "mtp", None) is not None:  # vLLM's Qwen3_5MultiTokenPredictor reads this count (text_config)
         hf_config["text_config"]["mtp_num_hidden_layers"] = len(config.mtp.layers)
-    dtype_name = str(dtype or next(iter(state_dict.values())).dtype).removeprefix("torch.")
-    hf_config["dtype"] = dtype_name
-    hf_config["text_config"]["dtype"] = dtype_name
+    hf_config["text_config"].setdefault("dtype", None)  # stated on both levels (hf_io fills it in)
     if config.text_family == "qwen3_vl_moe":
         version = hf_config.get("transformers_version")
         if experts_layout_of(hf_config) != experts_layout:  # make the folder's version state its layout
             hf_config["transformers_version"] = "4.57.0" if experts_layout == "hub" else "5.0.0"
         elif version is None:
             hf_config["transformers_version"] = "5.0.0"
-    if hf_io.writes_once(sources):
-        (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
-    return files + ["config.json"]
+    written = dtype or next(iter(state_dict.values())).dtype
+    return files + [hf_io.write_hf_config(path, hf_config, dtype=written, sources=sources)]

@@ -2,9 +2,10 @@
 
 A tiny Qwen3.5-MoE (3 Gated DeltaNet + 1 gated attention layer) whose heads are fewer than the CP degree,
 so attention gathers K/V and DeltaNet passes its recurrent state (``context_parallel.apply_context_parallel``),
-on packed rows whose documents straddle every piece boundary (one document crosses a whole row). One
-forward/backward per layout; each rank returns its logits placed at their global positions and every
-parameter gradient, whole. The single-process run is the reference.
+on packed rows whose documents straddle every piece boundary (one document crosses a whole row) or start exactly
+on one. One forward/backward per layout; each rank returns its logits placed at their global positions and every
+parameter gradient, whole. The single-process run is the reference. ``slow`` runs use a slow DeltaNet decay
+(``SLOW_DECAY``), so the state a piece hands on through a document that crosses it whole (``M S_in``) is not ~0.
 """
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ from tests.torch.st.grad_check import whole_grads
 
 VOCAB, SEQ, SEED = 64, 64, 4321
 # Document lengths of the two rows (sum SEQ each): short documents, a 1-token one, documents that cross
-# pieces of every CP degree up to 8 (balanced: 16 pieces of 4 tokens); row 1 is one document.
-DOCS = ([21, 1, 28, 9, 5], [64])
+# pieces of every CP degree up to 8 (balanced: 16 pieces of 4 tokens), documents that start exactly on a piece
+# boundary of every degree (16 and 48; the pieces on either side belong to different ranks); row 1 is one document.
+DOCS = ([16, 5, 1, 26, 9, 7], [64])
+# Per-step DeltaNet decay exp(-exp(A_log) softplus(a + dt_bias)) ~ 0.998 (the HF init's is ~e^-10): the state
+# survives a whole row, so a piece's incoming state through a document crossing it whole really matters.
+SLOW_DECAY = {"A_log": -4.0, "dt_bias": -2.0}
 
 
 def tiny_config(n_kv_heads: int = 1, chunk_size: int = 8):
@@ -81,28 +86,40 @@ def _step(model, mb: dict[str, Any], num_tokens: int, loss_parallel: bool) -> to
     return logits
 
 
-def _model(n_kv_heads: int, chunk_size: int = 8):
+def _model(n_kv_heads: int, chunk_size: int = 8, *, slow: bool = False):
     torch.manual_seed(SEED)
     model = tiny_config(n_kv_heads, chunk_size).build()
     model.init_weights()
+    if slow:
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, GatedDeltaNet):
+                    for name, value in SLOW_DECAY.items():
+                        getattr(module, name).fill_(value)
     return model
 
 
-def reference_job(n_kv_heads: int = 1) -> dict[str, Any]:
+def reference_job(n_kv_heads: int = 1, slow: bool = False) -> dict[str, Any]:
     torch.use_deterministic_algorithms(True)
-    model = _model(n_kv_heads)
+    model = _model(n_kv_heads, slow=slow)
     mb = batch()
     logits = _step(model, mb, int((mb["labels"] != -100).sum()), False)
     return {"logits": logits.detach(), "grads": whole_grads(model)}
 
 
-def layouts_job(layouts: list[Layout], n_kv_heads: int = 1, mutated: tuple[Layout, ...] = ()) -> dict[str, Any]:
-    """Each layout in turn (then each of ``mutated``, keyed ``"mutated " + layout``, with the incoming DeltaNet
-    state of every piece dropped): logits at global positions (gathered over dp x cp) and every whole gradient."""
+def layouts_job(
+    layouts: list[Layout], n_kv_heads: int = 1, mutated: tuple[Layout, ...] = (), slow: tuple[Layout, ...] = ()
+) -> dict[str, Any]:
+    """Each layout in turn, then each of ``mutated`` (keyed ``"mutated " + layout``: the incoming DeltaNet state of
+    every piece dropped), then each of ``slow`` with the slow decay (``"slow " + layout``) and again without the
+    state passed through whole pieces (``"slow mutated " + layout``: ``M S_in`` dropped): logits at global
+    positions (gathered over dp x cp) and every whole gradient."""
     torch.use_deterministic_algorithms(True)
     out = {}
-    for layout, state_correction in [(x, True) for x in layouts] + [(x, False) for x in mutated]:
-        model = _model(n_kv_heads)
+    runs = [(x, "", None) for x in layouts] + [(x, "mutated ", "all") for x in mutated]
+    runs += [(x, p, drop) for x in slow for p, drop in (("slow ", None), ("slow mutated ", "transition"))]
+    for layout, prefix, drop in runs:
+        model = _model(n_kv_heads, slow=prefix.startswith("slow"))
         pd = ParallelDims.from_config(layout.parallelism(), dist.get_world_size())
         pd.build_mesh("cpu")
         parallelize_qwen3_5_moe(
@@ -110,8 +127,8 @@ def layouts_job(layouts: list[Layout], n_kv_heads: int = 1, mutated: tuple[Layou
             ac_config=ActivationCheckpointConfig(mode=layout.ac), compile_config=CompileConfig(),
         )  # fmt: skip
         shard: CPShard = model.cp_shard
-        if not state_correction:
-            _drop_state_passing(model)
+        if drop is not None:
+            _drop_state_passing(model, drop)
         full = batch()
         num_tokens = int((full["labels"] != -100).sum())
         dp, dp_rank = pd.dp, pd.mesh_coordinate("dp") if pd.dp > 1 else 0
@@ -133,15 +150,17 @@ def layouts_job(layouts: list[Layout], n_kv_heads: int = 1, mutated: tuple[Layou
         if pd.tp_enabled:  # every tp rank holds the same logits: count them once
             placed /= pd.tp
         dist.all_reduce(placed)
-        key = str(layout) if state_correction else f"mutated {layout}"
+        key = prefix + str(layout)
         out[key] = {"logits": placed, "grads": whole_grads(model), "balanced": shard.balanced,
                     "forms": sorted(set(model.cp_plan.values()))}  # fmt: skip
     return out
 
 
-def _drop_state_passing(model) -> None:
-    """The mutation: every piece's DeltaNet rule restarts from a zero state (the cross-piece composition is
-    skipped), by handing the core a shard whose gather returns zero summaries."""
+def _drop_state_passing(model, part: str = "all") -> None:
+    """The mutation: every piece's DeltaNet rule restarts from a zero state (``part="all"``: the cross-piece
+    composition is skipped), or gets only the previous piece's zero-start state (``"transition"``: the term
+    ``M S_in`` of a piece one document crosses whole is dropped), by handing the core a shard whose gather zeroes
+    those parts of the summaries ``[S_zero | M]``."""
     for module in model.modules():
         if getattr(module, "cp_state_passing", False):
 
@@ -149,10 +168,12 @@ def _drop_state_passing(model) -> None:
                 shard = kwargs["cp"]
                 group = shard.all_gather.keywords["group"]
 
-                def gather(x):
+                def gather(x, dv=m.head_v_dim):
                     g = all_gather_cp(x, group)
                     # summaries are [np, B, Hv, Dk, Dv + Dk] (6-D once gathered); conv tails are 5-D
-                    return g * 0 if g.dim() == 6 else g
+                    if g.dim() != 6:
+                        return g
+                    return g * 0 if part == "all" else torch.cat([g[..., :dv], g[..., dv:] * 0], dim=-1)
 
                 return args, {**kwargs, "cp": CPShard(rank=shard.rank, size=shard.size, balanced=shard.balanced,
                                                       all_gather=gather)}  # fmt: skip

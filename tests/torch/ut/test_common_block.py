@@ -150,25 +150,31 @@ def test_decoder_layers_may_use_different_mixers_and_rope_dims():
 
 
 
-def test_decoder_config_overrides_through_tyro():
-    """tyro takes the recipe's concrete mixer/MLP classes, so the CLI reaches every layer field."""
+def test_decoder_layer_fields_are_off_the_cli_but_a_run_file_reaches_them():
+    """The per-layer tree is not on the command line (tyro neither lists nor walks it, and keeps the recipe's tree
+    as it is); a run file (``apply_overrides``) reaches every layer field, with the recipe's concrete classes."""
     import warnings
 
     import tyro
 
+    from hyper_parallel.config.manager import apply_overrides
+
     dcfg = decoder_config_from_hf(tiny_lite_config())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = tyro.cli(
-            Decoder.Config,
-            default=dcfg,
-            args=["--layers.1.self_attn.q_lora_rank", "None", "--layers.2.mlp.gate.top_k", "1",
-                  "--layers.0.self_attn.rope.theta", "5e5"],  # fmt: skip
-            config=(tyro.conf.FlagConversionOff, tyro.conf.AvoidSubcommands),
-            use_underscores=True,
-        )
+
+    def cli(*args: str) -> Decoder.Config:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return tyro.cli(Decoder.Config, default=dcfg, args=list(args), use_underscores=True,
+                            config=(tyro.conf.FlagConversionOff, tyro.conf.AvoidSubcommands))  # fmt: skip
+
+    assert cli("--rope_theta", "5e5").to_dict() != dcfg.to_dict() and cli().to_dict() == dcfg.to_dict()
+    with pytest.raises(SystemExit):
+        cli("--layers.0.self_attn.rope.theta", "5e5")
+    layers = {"0": {"self_attn": {"rope": {"theta": 5e5}}}, "2": {"mlp": {"gate": {"top_k": 1}}}}
+    out = apply_overrides(dcfg, {"layers": layers})
     assert out.layers[0].self_attn.rope.theta == 5e5 and out.layers[1].self_attn.rope.theta != 5e5
     assert out.layers[2].mlp.gate.top_k == 1 and out.layers[2].self_attn == dcfg.layers[2].self_attn
+    assert dcfg.layers[0].self_attn.rope.theta != 5e5  # a copy
     with torch.device("meta"):
         model = out.build()
-    assert hasattr(model.layers[1].self_attn, "q_proj") and not hasattr(model.layers[1].self_attn, "q_a_proj")
+    assert model.layers[2].mlp.gate.config.top_k == 1

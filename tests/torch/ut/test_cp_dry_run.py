@@ -38,7 +38,8 @@ def test_dry_run_counts_kv_gathers_and_deltanet_state_passing_on_the_cp_axis():
     t = 128 per rank, two pieces of 64): the attention layer gathers ``cat(k, v) [1, 2, t, 32 + 32]``; each of the 3
     DeltaNet layers gathers its pieces' conv tails ``[2, 1, 3, 128]`` (K - 1 = 3 rows of the 2 x (16 + 16 + 2 x 16)
     conv channels) and their state summaries ``[2, 1, 4, 16, 16 + 16]`` (4 value heads, ``S_zero | M``); every
-    gather is reduce-scattered back in backward."""
+    gather is reduce-scattered back in backward. The Switch aux loss pools its per-expert sums over the cp ranks once
+    per forward and once in backward (``distributed/token_split.py``): ``[8 counts | 8 probability sums | rows]``."""
     report = main(["--module", "qwen3_5_moe", "--config", "qwen3_5_moe_debug", "--world_size", "8",
                    "--parallelism.context_parallel_degree", "4"])  # fmt: skip
     cp, fp32, t = 4, 4, 512 // 4
@@ -46,5 +47,6 @@ def test_dry_run_counts_kv_gathers_and_deltanet_state_passing_on_the_cp_axis():
     tails, summaries = cp * 2 * 3 * 128 * fp32, cp * 2 * 4 * 16 * (16 + 16) * fp32
     expect = (1 + 3 * 2, kv + 3 * (tails + summaries))
     comm = {c.kind: (c.calls, c.nbytes) for c in report.comm if c.axis == "cp"}
-    assert comm == {"all_gather": expect, "reduce_scatter": expect}
+    aux_pool = (2, 2 * (8 + 8 + 1) * fp32)
+    assert comm == {"all_gather": expect, "reduce_scatter": expect, "all_reduce": aux_pool}
     assert report.peak["Total"] > max(m.static for m in report.ranks)

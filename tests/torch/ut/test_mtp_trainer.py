@@ -34,7 +34,7 @@ def _run(tmp_path: Path, *args: str) -> tuple[dict, dict[str, torch.Tensor], lis
 
 def test_loss_weight_zero_equals_no_mtp_bit_for_bit(tmp_path):
     plain, plain_w, _ = _run(tmp_path / "plain", "--config", "qwen3_5_debug")
-    zero, zero_w, records = _run(tmp_path / "zero", "--config", "qwen3_5_mtp_debug", "--model.mtp.loss_weight", "0")
+    zero, zero_w, records = _run(tmp_path / "zero", "--config", "qwen3_5_mtp_debug", "--model.mtp_loss_weight", "0")
     assert zero["losses"] == plain["losses"]
     assert set(zero_w) - set(plain_w) and all(k.startswith("mtp.") for k in set(zero_w) - set(plain_w))
     for key, value in plain_w.items():

@@ -88,7 +88,8 @@ def test_recipe_mtp_export_loads_back_with_equal_mtp_logits(tmp_path):
 def test_mtp_off_keeps_the_keys_byte_for_byte_and_mtp_on_loads_them(tmp_path):
     model = _trained(qwen3_5_moe_vl_mtp_debug().model)
     save_pretrained(model, tmp_path / "export")
-    off = from_pretrained(tmp_path / "export", mtp=None)  # None: off, like False
+    assert from_pretrained(tmp_path / "export", mtp=None).config.mtp is not None  # None: as the folder says (MTP 1)
+    off = from_pretrained(tmp_path / "export", mtp=False)
     assert off.config.mtp is None
     kept = {k: v for k, v in off.hf_passthrough.items() if k.startswith("mtp.")}
     assert kept and all(isinstance(t, HFTensor) for t in kept.values())  # lazy: read again on export

@@ -67,8 +67,20 @@ def _runner(argv: list[str]) -> Callable[[], int] | None:
     return None
 
 
+# Release folders the README's fine-tuning commands name -> the transcribed config.json standing in for them (a
+# command is parsed, not trained: the folder's config.json is all that is read)
+RELEASE_FOLDERS = {
+    "Qwen3.5-35B-A3B": "qwen3_5_35b_a3b.json",
+    "Qwen3-VL-30B-A3B-Instruct": "qwen3_vl_30b_a3b_instruct.json",
+    "GLM-4.7-Flash": "glm_4_7_flash.json",
+}
+
+
 def _prepare(cwd: Path) -> None:
-    """Files the README's commands name: its run file and a small DirectToken jsonl."""
+    """Files the README's commands name: its run file, a small DirectToken jsonl, stand-ins of release folders."""
+    for folder, config in RELEASE_FOLDERS.items():
+        (cwd / folder).mkdir()
+        (cwd / folder / "config.json").write_text((Path(__file__).parent / "released_configs" / config).read_text())
     text = README.read_text(encoding="utf-8")
     toml = re.findall(r"^```toml\n(.*?)^```", text, flags=re.S | re.M)
     assert toml, "the README shows a run file"

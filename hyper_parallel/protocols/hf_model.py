@@ -1,0 +1,437 @@
+"""An HF folder is a model.
+
+- which registered spec reads a folder: ``spec_for_hf`` over the one table ``model_spec.HF_MODEL_TYPES``;
+- the model config a folder holds, read by its family's own reader (``ModelSpec.config_from_hf``), its MTP
+  block on when the folder ships one (``config_from_folder``; ``ModelSpec.hf_mtp``);
+- the model of a run started from a folder: ``resolve_run_model`` (the folder's config, the recipe's
+  training-only options on top, an error for an explicit model field that contradicts the folder, and on
+  resume the model the run was started with);
+- the generic ``from_pretrained`` / ``save_pretrained`` every family's wrappers are (``pretrained_io``), and
+  ``hyper_parallel.from_pretrained(path)``, which picks the family from the folder.
+
+Nothing here names a model family: the families' knowledge is in their specs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hyper_parallel.config.errors import ConfigError
+from hyper_parallel.protocols.hf_io import CheckpointKeyError, build_from_hf, read_hf_config, save_with_model
+from hyper_parallel.protocols.hf_storage import HFFolder
+from hyper_parallel.protocols.model_spec import HF_MODEL_TYPES, ModelSpec, discover_model_spec
+
+__all__ = [
+    "TRAINING_ONLY_OPTIONS",
+    "RunModel",
+    "check_mtp_tensors",
+    "config_from_folder",
+    "folder_mtp_layers",
+    "from_pretrained",
+    "is_hf_folder",
+    "pretrained_io",
+    "resolve_run_model",
+    "spec_for_hf",
+]
+
+logger = logging.getLogger("hyper_parallel")
+
+TRAINING_ONLY_OPTIONS = ("mtp_loss_weight", "router_aux_loss_coef", "freeze", "use_mtp")
+"""Model-level options (``Decoder.Config``) that describe the training, not the model: they may differ from a
+folder's and apply on top of its config."""
+
+_RUN_LEAVES = ("backend", "param_init")
+"""Config fields that choose how the model is computed or initialised, not what it computes: an explicit value
+applies on top of a folder's config (``--model.layers.0.self_attn.inner_attention.backend``)."""
+
+MODEL_COPY = "initial_model"
+"""Folder under the dump folder holding the ``config.json`` of the folder a run started from (resume reads it)."""
+
+
+def is_hf_folder(path: str | os.PathLike | None) -> bool:
+    """Whether ``path`` is an HF checkpoint folder (it holds a ``config.json``)."""
+    return bool(path) and (Path(path) / "config.json").is_file()
+
+
+def _describe(hf: Mapping[str, Any]) -> str:
+    arch = hf.get("architectures")
+    return f"model_type={hf.get('model_type')!r}" + (f", architectures={list(arch)}" if arch else "")
+
+
+def spec_for_hf(
+    hf: Mapping[str, Any],
+    *,
+    where: str,
+    spec_name: str | None = None,
+    has_recipe: Callable[[str], bool] | None = None,
+) -> str:
+    """The registered spec that reads an HF config (``HF_MODEL_TYPES``): ``spec_name`` when it is one of the
+    folder's candidates (else an error naming both families), else the first candidate for which
+    ``has_recipe(candidate)`` holds (the package has the recipe), else the default candidate."""
+    candidates = HF_MODEL_TYPES.get(str(hf.get("model_type")))
+    if candidates is None:
+        raise ConfigError(
+            f"{where}: {_describe(hf)} is no model family this package reads; known model_type values: "
+            f"{', '.join(sorted(HF_MODEL_TYPES))}"
+        )
+    if spec_name is not None:
+        name = discover_model_spec(spec_name).name
+        if name not in candidates:
+            raise ConfigError(
+                f"{where} holds a {_describe(hf)} checkpoint, a model of {' / '.join(candidates)}, not of "
+                f"{name!r}: use --module {candidates[0]} (or drop --module: the folder names its family)"
+            )
+        return name
+    if has_recipe is not None:
+        fits = [c for c in candidates if has_recipe(c)]
+        if not fits:
+            raise ConfigError(
+                f"{where} holds a {_describe(hf)} checkpoint (model package {' / '.join(candidates)}), and the "
+                f"recipe is in none of them: give a recipe of {candidates[0]} or --module"
+            )
+        return fits[0]
+    return candidates[0]
+
+
+def folder_mtp_layers(spec: ModelSpec, hf: Mapping[str, Any]) -> int:
+    """How many MTP layers an HF config declares (``text_config`` or top level; 0 when the family has none)."""
+    if spec.hf_mtp is None:
+        return 0
+    key = spec.hf_mtp.count_key
+    text = hf.get("text_config") or {}
+    return int(text.get(key, hf.get(key, 0)) or 0)
+
+
+def config_from_folder(spec: ModelSpec, hf: Mapping[str, Any], *, mtp: bool | None = None) -> tuple[Any, bool]:
+    """``(model config, whether its MTP block is the folder's)`` read by the family's reader.
+
+    ``mtp=None``: the MTP block on iff the folder declares one; ``True``: on (an error names the key when the
+    folder declares none); ``False``: off (a folder's MTP tensors then pass through)."""
+    if spec.config_from_hf is None:
+        raise NotImplementedError(f"model spec {spec.name!r} has no HF config reader (ModelSpec.config_from_hf)")
+    count = folder_mtp_layers(spec, hf)
+    on = count > 0 if mtp is None else mtp
+    if on and spec.hf_mtp is not None:  # without a count the MTP reader raises, naming its key
+        return spec.hf_mtp.config_from_hf(hf), True
+    if on:
+        raise ValueError(f"mtp=True, but model spec {spec.name!r} has no MTP block in its HF folders")
+    return spec.config_from_hf(hf), False
+
+
+def check_mtp_tensors(spec: ModelSpec, hf: Mapping[str, Any], path: str | os.PathLike, model_config: Any) -> None:
+    """A folder whose config declares an MTP block must hold its tensors (else training would start the block
+    from a random initialisation in silence): an error names the missing keys."""
+    if spec.hf_mtp is None:
+        return
+    prefixes = spec.hf_mtp.tensor_prefixes(hf)
+    names = HFFolder.open(path).tensors
+    if any(k.startswith(prefixes) for k in names):
+        return
+    with torch.device("meta"):
+        ours = sorted(k for k in model_config.build().state_dict() if k.startswith("mtp."))
+    shown = ", ".join(ours[:6]) + (f" ... ({len(ours)} in all)" if len(ours) > 6 else "")
+    raise CheckpointKeyError(
+        f"{path}/config.json says {spec.hf_mtp.count_key}={folder_mtp_layers(spec, hf)}, but the folder holds no "
+        f"MTP tensors ({' / '.join(p + '*' for p in prefixes)}); missing: {shown}. Load the release's full "
+        "weights, or turn MTP off (--model.use_mtp false; from_pretrained(path, mtp=False))"
+    )
+
+
+# ---- the model of a run -----------------------------------------------------------------------
+
+
+@dataclass
+class RunModel:
+    """The model config a run builds and where it came from."""
+
+    config: Any
+    """The model config (the folder's when the run starts from an HF folder, else the recipe's)."""
+    folder: str | None = None
+    """The HF folder the model config was read from (None: the recipe's model)."""
+    hf_config: dict[str, Any] | None = None
+    """The ``config.json`` it was read from (the run's copy on resume)."""
+    differences: list[str] = field(default_factory=list)
+    """What the folder sets that differs from the recipe (``"dim 128 (recipe 64)"``)."""
+    folder_changed: bool = False
+    """On resume: the folder's ``config.json`` is no longer the one the run started with (its weights are not
+    read again; the run's checkpoint holds the model)."""
+    mtp_from_folder: bool = False
+    """The MTP block is the folder's (its tensors must be there)."""
+
+
+def _option_values(config: Any) -> dict[str, Any]:
+    get = getattr(config, "option_values", None)
+    return dict(get()) if callable(get) else {}
+
+
+def _has_field(config: Any, name: str) -> bool:
+    return dataclasses.is_dataclass(config) and any(f.name == name for f in dataclasses.fields(config))
+
+
+_ABSENT = object()
+
+
+def _at(config: Any, path: str) -> Any:
+    node = config
+    for part in path.split("."):
+        if isinstance(node, (list, tuple)) and part.isdigit():
+            if int(part) >= len(node):
+                return _ABSENT
+            node = node[int(part)]
+        elif dataclasses.is_dataclass(node) and _has_field(node, part):
+            node = getattr(node, part)
+        else:
+            return _ABSENT
+    return node
+
+
+def _replace_at(config: Any, parts: Sequence[str], value: Any) -> Any:
+    """A copy of ``config`` with the value at ``parts`` replaced (copies along the path, the rest shared)."""
+    if not parts:
+        return value
+    head, rest = parts[0], parts[1:]
+    if isinstance(config, (list, tuple)):
+        items = list(config)
+        items[int(head)] = _replace_at(items[int(head)], rest, value)
+        return type(config)(items)
+    return dataclasses.replace(config, **{head: _replace_at(getattr(config, head), rest, value)})
+
+
+def _summary(config: Any) -> dict[str, Any]:
+    """The top-level facts of a model config compared with the recipe's (and the option values)."""
+    mtp = getattr(config, "mtp", None)
+    facts = {
+        "vocab_size": getattr(config, "vocab_size", None),
+        "dim": getattr(config, "dim", None),
+        "layers": len(getattr(config, "layers", []) or []),
+        "tie_word_embeddings": getattr(config, "tie_word_embeddings", None),
+        "max_position_embeddings": getattr(config, "max_position_embeddings", None),
+        "mtp layers": len(mtp.layers) if mtp is not None else 0,
+    }
+    for key, value in _option_values(config).items():
+        facts.setdefault(key, value)
+    return facts
+
+
+def _differences(recipe: Any, ours: Any) -> list[str]:
+    a, b = _summary(recipe), _summary(ours)
+    return [f"{k} {b[k]!r} (recipe {a.get(k)!r})" for k in b if k in a and a[k] != b[k]]
+
+
+def _explicit_value(config: Any, path: str) -> Any:
+    head = path.split(".")[0]
+    opts = _option_values(config)
+    return opts[head] if path == head and head in opts else _at(config, path)
+
+
+def _apply_run_options(folder_cfg: Any, recipe: Any, explicit: Sequence[str], *, where: str) -> Any:
+    """The folder's config with the recipe's training-only options and explicit run fields on top; an explicit
+    model field that contradicts the folder is an error naming both values."""
+    recipe_opts = _option_values(recipe)
+    updates = {}
+    for k in ("mtp_loss_weight", "router_aux_loss_coef", "freeze"):
+        # the option as set (it may reach nothing in the recipe's tree: a weight for the folder's MTP block), else
+        # the value the recipe's tree holds
+        value = getattr(recipe, k, None) if _has_field(recipe, k) else None
+        value = recipe_opts.get(k) if value is None else value
+        if value is not None and _has_field(folder_cfg, k):
+            updates[k] = value
+    if "mtp_loss_weight" not in updates and getattr(recipe, "mtp", None) is not None and folder_cfg.mtp is not None:
+        # without the model-level option: the recipe's MTP loss weight on the folder's block
+        updates["mtp"] = dataclasses.replace(folder_cfg.mtp, loss_weight=recipe.mtp.loss_weight)
+    if updates:
+        folder_cfg = dataclasses.replace(folder_cfg, **updates)
+    problems = []
+    for path in sorted(explicit):
+        parts = path.split(".")
+        if parts[0] in TRAINING_ONLY_OPTIONS or path == "mtp.loss_weight":
+            continue
+        want = _explicit_value(recipe, path)
+        if any(p in _RUN_LEAVES for p in parts):
+            if _at(folder_cfg, path) is not _ABSENT:
+                folder_cfg = _replace_at(folder_cfg, parts, want)
+            continue
+        have = _explicit_value(folder_cfg, path)
+        if have is _ABSENT:
+            problems.append(f"--model.{path}={want!r} is set, but the folder's model has no such field")
+        elif have != want:
+            problems.append(f"--model.{path}={want!r} contradicts the folder: its config.json gives {have!r}")
+    if problems:
+        raise ConfigError(
+            f"{where}: " + "; ".join(problems) + ". The folder is the model: drop the flag (or the run-file key), "
+            "or edit the folder's config.json"
+        )
+    return folder_cfg
+
+
+def has_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` holds a complete DCP checkpoint (``step-N/.metadata``) a run resumes from."""
+    return folder.is_dir() and any(p.is_file() for p in folder.glob("step-*/.metadata"))
+
+
+def resolve_run_model(
+    spec: ModelSpec,
+    recipe_model: Any,
+    *,
+    folder: str | os.PathLike | None,
+    explicit: Sequence[str] = (),
+    dump_folder: str | os.PathLike | None = None,
+    resuming: bool = False,
+    write_copy: bool = False,
+) -> RunModel:
+    """The model config of a run: without an HF folder the recipe's; with one, the folder's ``config.json``
+    read by the family's reader, its MTP block on when it ships one (``--model.use_mtp false``: off),
+    the recipe's training-only options (``TRAINING_ONLY_OPTIONS``) on top.
+
+    An explicit model field (``explicit``: dotted paths under ``model`` the user set on the command line or in
+    a run file) that contradicts the folder is an error naming both values. With ``dump_folder``, the folder's
+    ``config.json`` is copied to ``<dump_folder>/initial_model/`` (``write_copy``: the caller is rank 0), and a
+    resumed run (``resuming``) reads that copy: it rebuilds the model it started with even if the folder changed.
+    """
+    if not is_hf_folder(folder) or spec.config_from_hf is None:
+        return RunModel(config=recipe_model)
+    folder = str(folder)
+    current = read_hf_config(folder)
+    copy = Path(dump_folder) / MODEL_COPY / "config.json" if dump_folder is not None else None
+    hf, changed = current, False
+    if resuming and copy is not None and copy.is_file():
+        hf = json.loads(copy.read_text())
+        changed = hf != current
+    spec_for_hf(hf, where=folder, spec_name=spec.name)
+    use_mtp = None
+    if "use_mtp" in explicit:
+        use_mtp = _option_values(recipe_model).get("use_mtp", getattr(recipe_model, "use_mtp", None))
+    count = folder_mtp_layers(spec, hf)
+    if use_mtp and not count:  # a fresh MTP block on a folder without one (the family's builder, H2's option)
+        config, from_folder = spec.config_from_hf(hf), False
+        if not _has_field(config, "use_mtp"):
+            raise ConfigError(f"{folder} ships no MTP block and this model has no use_mtp option to start one")
+        config = dataclasses.replace(config, use_mtp=True)
+    else:
+        config, from_folder = config_from_folder(spec, hf, mtp=use_mtp)
+    if spec.fields_not_in_hf is not None:  # what the folder cannot say (a text-only folder's image path)
+        config = dataclasses.replace(config, **{k: getattr(recipe_model, k) for k in spec.fields_not_in_hf(hf)})
+    config = _apply_run_options(config, recipe_model, explicit, where=f"--checkpoint.initial_load_path {folder}")
+    if write_copy and copy is not None and not (resuming and copy.is_file()):
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        tmp = copy.with_suffix(".tmp")
+        tmp.write_text(json.dumps(hf, indent=2))
+        tmp.replace(copy)
+        (copy.parent / "source.json").write_text(
+            json.dumps({"initial_load_path": folder, "explicit_model_fields": list(explicit)}, indent=2)
+        )
+    return RunModel(
+        config=config, folder=folder, hf_config=dict(hf), differences=_differences(recipe_model, config),
+        folder_changed=changed, mtp_from_folder=from_folder,
+    )  # fmt: skip
+
+
+# ---- from_pretrained / save_pretrained -----------------------------------------------------------
+
+
+def build_pretrained(
+    spec: ModelSpec,
+    path: str | os.PathLike,
+    *,
+    mtp: bool | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    config_overrides: Mapping[str, Any] | None = None,
+    load_kwargs: Mapping[str, Any] | None = None,
+) -> Any:
+    """The model of ``spec``'s family in HF folder ``path`` (every key and shape checked; MTP as
+    :func:`config_from_folder` says, its tensors required when the folder declares it)."""
+    hf = read_hf_config(path)
+    spec_for_hf(hf, where=str(path), spec_name=spec.name)
+    config, from_folder = config_from_folder(spec, hf, mtp=mtp)
+    if from_folder:
+        check_mtp_tensors(spec, hf, path, config)
+    return build_from_hf(
+        spec.model, path, config_from_hf=lambda _hf: config, load_weights=spec.load_hf_weights, dtype=dtype,
+        device=device, config_overrides=dict(config_overrides or {}), **dict(load_kwargs or {}),
+    )  # fmt: skip
+
+
+def pretrained_io(
+    spec: ModelSpec,
+    *,
+    save_state_dict: Callable[..., list[str]],
+    mtp_default: bool | None = False,
+    load_options: Sequence[str] = (),
+    save_defaults: Callable[[Any], dict[str, Any]] | None = None,
+) -> ModelSpec:
+    """``spec`` with its ``from_pretrained`` / ``save_pretrained``, the one generic pair every family uses.
+
+    ``from_pretrained(path, *, dtype=float32, device="cpu", mtp=mtp_default, **kwargs)``: ``kwargs`` named in
+    ``load_options`` go to the family's weight loader, the rest replace top-level config fields.
+    ``save_pretrained(model, path, *, max_shard_size="5GB", dtype=None, state_dict=None, **options)``:
+    ``save_state_dict(model.config, state dict, path, passthrough=kept keys, **save_defaults(model), **options)``.
+    """
+
+    def from_pretrained(
+        path: str | os.PathLike,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        mtp: bool | None = mtp_default,
+        **kwargs: Any,
+    ) -> Any:
+        load = {k: kwargs.pop(k) for k in load_options if kwargs.get(k) is not None}
+        for k in load_options:
+            kwargs.pop(k, None)
+        return build_pretrained(spec, path, mtp=mtp, dtype=dtype, device=device, config_overrides=kwargs, load_kwargs=load)
+
+    def save_pretrained(
+        model: Any,
+        path: str | os.PathLike,
+        *,
+        max_shard_size: int | str = "5GB",
+        dtype: torch.dtype | None = None,
+        state_dict: dict[str, torch.Tensor] | None = None,
+        **options: Any,
+    ) -> list[str]:
+        defaults = save_defaults(model) if save_defaults is not None else {}
+        options = {**defaults, **{k: v for k, v in options.items() if v is not None or k not in defaults}}
+        return save_with_model(
+            save_state_dict, model, path, state_dict=state_dict, max_shard_size=max_shard_size, dtype=dtype, **options
+        )
+
+    from_pretrained.__doc__ = (
+        f"A ``{spec.model.__name__}`` from an HF folder (every key and shape checked). ``mtp``: None follows the "
+        "folder (its MTP block on when it ships one), True turns it on (its tensors required), False keeps its "
+        "tensors as passthrough (written back unchanged). Other keywords replace top-level config fields"
+        + (f" ({', '.join(load_options)}: options of the weight loader)." if load_options else ".")
+    )
+    save_pretrained.__doc__ = (
+        f"Write a ``{spec.model.__name__}`` (or ``state_dict``, e.g. EMA weights) as an HF folder with config.json, "
+        "in the form it was loaded from, kept passthrough tensors included."
+    )
+    return dataclasses.replace(spec, from_pretrained=from_pretrained, save_pretrained=save_pretrained)
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    *,
+    mtp: bool | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    module: str | None = None,
+    **kwargs: Any,
+) -> Any:
+    """The model in HF folder ``path``, its family picked from ``config.json`` (``model_type``: the table
+    ``HF_MODEL_TYPES``; ``module`` picks among the candidates, e.g. ``qwen3_vl_moe`` for the whole VL model of
+    a Qwen3.5-MoE ConditionalGeneration folder). ``mtp=None``: its MTP block on when it ships one."""
+    hf = read_hf_config(path)
+    spec = discover_model_spec(spec_for_hf(hf, where=str(path), spec_name=module))
+    if spec.from_pretrained is None:
+        raise NotImplementedError(f"model spec {spec.name!r} has no from_pretrained")
+    return spec.from_pretrained(path, mtp=mtp, dtype=dtype, device=device, **kwargs)
