@@ -13,6 +13,7 @@ import torch
 
 from hyper_parallel.config import ConfigManager
 from hyper_parallel.trainer import NonFiniteError, Trainer
+from tests.torch.ut.test_trainer import _run  # build, train, close: one helper for the trainer tests
 
 BASE = ["--module", "glm_image_moe", "--config", "glm_image_moe_debug", "--debug.deterministic",
         "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "1", "--data.global_batch_tokens", "512"]  # fmt: skip
@@ -21,15 +22,6 @@ PASSTHROUGH_KEY = "model.vqmodel.decoder.conv_in.weight"
 
 def _config(dump: Path, *args: str) -> Trainer.Config:
     return ConfigManager().parse_args([*BASE, "--dump_folder", str(dump), *args])
-
-
-def _run(cfg: Trainer.Config) -> tuple[Trainer, dict]:
-    trainer = cfg.build()
-    try:
-        summary = trainer.train()
-    finally:
-        trainer.close()
-    return trainer, summary
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from hyper_parallel.config.legacy import translate_legacy
 from hyper_parallel.data import DataConfig, ToyCorpusSpec, write_toy_corpus
 from hyper_parallel.data.holdout import Holdout
 from hyper_parallel.trainer import Trainer
+from tests.torch.ut.test_trainer import _run  # build, train, close: one helper for the trainer tests
 
 FACTS = dict(lang_vocab_size=512, codebook_size=256, placeholder_token_id=511)
 MODEL_FACTS = {"vocab_size": 512, "codebook_size": 256, "placeholder_token_id": 511}
@@ -53,15 +54,6 @@ def corpora(tmp_path_factory) -> dict[str, str]:
 
 def _config(dump: Path, *args: str) -> Trainer.Config:
     return ConfigManager().parse_args([*BASE, "--dump_folder", str(dump), *args])
-
-
-def _run(cfg: Trainer.Config) -> tuple[Trainer, dict]:
-    trainer = cfg.build()
-    try:
-        summary = trainer.train()
-    finally:
-        trainer.close()
-    return trainer, summary
 
 
 def _records(dump: Path) -> tuple[dict[int, dict], dict[int, dict]]:
