@@ -35,6 +35,7 @@ test-st: setup
 
 bench: setup
 	$(VPY) benchmarks/model_step.py
+	$(VPY) benchmarks/lora_step.py
 	$(VPY) benchmarks/data_pipeline.py
 
 clean:

@@ -10,6 +10,7 @@ optimizer, LR schedule, EMA -> validator -> checkpoint manager (resume) -> metri
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -37,7 +38,6 @@ from hyper_parallel.components import (
 from hyper_parallel.components.loss import top1_correct
 from hyper_parallel.components.source_metrics import SourceLossMeter
 from hyper_parallel.components.validate import Validator
-from hyper_parallel.config.dtypes import to_torch_dtype
 from hyper_parallel.config import (
     ActivationCheckpointConfig,
     CommConfig,
@@ -47,6 +47,8 @@ from hyper_parallel.config import (
     ParallelismConfig,
     TrainingConfig,
 )
+from hyper_parallel.config.dtypes import to_torch_dtype
+from hyper_parallel.config.lora import LoRAConfig, apply_lora, freeze_lora_base, lora_targets, lora_trainable_names
 from hyper_parallel.data import DataConfig, DataStateMismatch
 from hyper_parallel.data.packing import add_mtp_targets
 from hyper_parallel.distributed.context_parallel import split_batch_for_cp
@@ -54,8 +56,16 @@ from hyper_parallel.distributed.env import init_distributed, set_determinism, se
 from hyper_parallel.distributed.fsdp import set_gradient_reduction
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.distributed.utils import clip_grad_norm_, dist_sum
-from hyper_parallel.protocols.hf_model import RunModel, check_mtp_tensors, has_checkpoint, resolve_run_model
+from hyper_parallel.models.common.lora import init_adapters_, is_lora_param
+from hyper_parallel.protocols.hf_model import (
+    MODEL_COPY,
+    RunModel,
+    check_mtp_tensors,
+    has_checkpoint,
+    resolve_run_model,
+)
 from hyper_parallel.protocols.hf_serving import write_serving_files
+from hyper_parallel.protocols.hf_lora import export_lora
 from hyper_parallel.protocols.model import BaseModel, split_output
 from hyper_parallel.protocols.model_spec import ModelSpec, discover_model_spec
 
@@ -103,6 +113,8 @@ class Trainer(Configurable):
         """Token cross entropy (exact global token mean over micro-batches and ranks)."""
         ema: EMA.Config = field(default_factory=EMA.Config)
         """Exponential moving average of the trainable weights."""
+        lora: LoRAConfig = field(default_factory=LoRAConfig)
+        """LoRA: adapters on --lora.targets, the rest of the model frozen."""
         checkpoint: CheckpointManager.Config = field(default_factory=CheckpointManager.Config)
         """DCP checkpoints, resume, HF import and export."""
         validation: Validator.Config = field(default_factory=Validator.Config)
@@ -125,6 +137,13 @@ class Trainer(Configurable):
             if self.training.moe_bias_update_rate < 0:
                 raise ValueError(f"training.moe_bias_update_rate={self.training.moe_bias_update_rate} must be >= 0")
             self.validation.check()
+            ac = self.activation_checkpoint
+            if self.lora.enabled and self.lora.dropout > 0 and ac.mode != "none" and not ac.preserve_rng_state:
+                raise ValueError(
+                    f"lora.dropout={self.lora.dropout} with activation_checkpoint.mode={ac.mode!r}: the recomputed "
+                    "forward would draw other dropout masks (wrong gradients); add "
+                    "--activation_checkpoint.preserve_rng_state or set --lora.dropout 0"
+                )
             if self.checkpoint.keep_best and not (self.validation.enabled and self.checkpoint.enable):
                 raise ValueError(
                     "checkpoint.keep_best keeps the checkpoint of the best validation loss: it needs "
@@ -158,7 +177,9 @@ class Trainer(Configurable):
         self.spec: ModelSpec = discover_model_spec(config.model_spec)
         # 0. the model: an HF folder's (checkpoint.initial_load_path) or, without one, the recipe's
         self.run_model = self._resolve_model(config)
-        config = self.config = dataclasses.replace(config, model=self.run_model.config)
+        # LoRA changes the model config only here, after the folder/recipe resolution: the folder's model is what
+        # the adapters sit on, and a resume compares models without them.
+        config = self.config = dataclasses.replace(config, model=apply_lora(self.run_model.config, config.lora))
 
         # 1. layout, validated before anything is built
         self.parallel_dims = ParallelDims.from_config(config.parallelism, self.world_size)
@@ -190,8 +211,15 @@ class Trainer(Configurable):
         # 3. model: meta -> parallelize -> materialise -> init or load
         with torch.device("meta"):
             model = config.model.build()
+        self.lora_trainable: frozenset[str] = frozenset()
+        """LoRA: names of the parameters trained (adapters + --lora.modules_to_save); empty without LoRA."""
+        if config.lora.enabled:
+            self.lora_trainable = frozenset(lora_trainable_names(model, config.lora.modules_to_save))
+            freeze_lora_base(model, self.lora_trainable)
         nparams, self.flops_per_token = model.get_nparams_and_flops(config.data.max_tokens_per_microbatch)
         self._log(f"model {config.model_spec}: {nparams:,} parameters, {self.flops_per_token:.3g} training FLOPs/token")
+        if config.lora.enabled:
+            self._log_lora(model)
         model = self.spec.parallelize_fn(
             model,
             parallel_dims=self.parallel_dims,
@@ -204,6 +232,8 @@ class Trainer(Configurable):
         self.model: nn.Module = model
         self.model_cls: type[BaseModel] = self.spec.model
         self._init_weights()
+        if config.lora.enabled:  # again on the parallelized model: no wrapper may have brought a base back
+            freeze_lora_base(self.model, self.lora_trainable)
         self.model.train()
 
         # 4. loss, optimizer, schedule, EMA
@@ -232,6 +262,9 @@ class Trainer(Configurable):
             states={"ema": self.ema},
             global_states={"dataloader": self.data, **({"validation": self.validator} if self.validator.enabled else {})},
             run_config=config,
+            # LoRA from an HF folder: the frozen base is the folder's (re-read by _init_weights on resume), so only
+            # the adapters, --lora.modules_to_save and the buffers are saved; a random base (no folder) is saved too
+            save_frozen=not self._lora_base_from_folder(),
         )
         resumed = self._resume()
         if resumed is not None:
@@ -271,6 +304,21 @@ class Trainer(Configurable):
             )  # fmt: skip
         return run_model
 
+    def _log_lora(self, model: nn.Module) -> None:
+        """One line a LoRA user checks first: what is adapted, and how much of the model trains."""
+        lora = self.config.lora
+        params = {id(p): p for p in model.parameters()}.values()  # a tied parameter once
+        total = sum(p.numel() for p in params)
+        adapters = sum(p.numel() for n, p in model.named_parameters() if is_lora_param(n))
+        trained = sum(p.numel() for p in params if p.requires_grad)
+        dtype = self.config.training.mixed_precision_param
+        self._log(
+            f"LoRA rank {lora.rank} (scale {lora.adapter().scale:g}) on {len(lora_targets(self.run_model.config, lora.targets))} "
+            f"projections ({' '.join(lora.targets)}): {adapters:,} adapter parameters"
+            + (f" + {trained - adapters:,} trained in full ({' '.join(lora.modules_to_save)})" if trained > adapters else "")
+            + f" = {trained / total:.2%} of {total:,}; the rest frozen, stored in {dtype}"
+        )
+
     def _validate_model_layout(self) -> None:
         validate_model_layout(self.spec, self.config.model, self.parallel_dims)
 
@@ -290,6 +338,12 @@ class Trainer(Configurable):
         """
         path = self.config.checkpoint.initial_load_path
         torch.manual_seed(self.config.debug.seed)
+        if self.run_model.folder_changed and self._lora_base_from_folder():
+            raise ValueError(
+                f"{path}/config.json changed since this LoRA run started: its checkpoints in {self.config.dump_folder} "
+                "hold the adapters only, and the frozen base they were trained on is read from that folder again on "
+                "resume. Restore the folder the run started from, or start in a fresh --dump_folder"
+            )
         if path and not self.run_model.folder_changed:  # changed: the resumed checkpoint holds the started model
             self._load_hf_weights(path)
             return
@@ -328,13 +382,30 @@ class Trainer(Configurable):
         if distributed:
             set_pg_timeouts(comm.hf_load_timeout_seconds, self.parallel_dims.world_mesh)
         self.spec.load_hf_weights(self.model, path, init_missing=self._random_init)
+        if self.config.lora.enabled:  # the folder holds the base; the adapters start as PEFT's, on any layout
+            init_adapters_(self.model, self.config.debug.seed)
         if distributed:
             set_pg_timeouts(comm.init_timeout_seconds, self.parallel_dims.world_mesh)
         _init_buffers(self.model)
         self._log(f"initialised from HF checkpoint {path}")
 
+    def _lora_base_from_folder(self) -> bool:
+        """A LoRA run whose frozen base comes from ``checkpoint.initial_load_path``: its checkpoints leave the base out
+        (a resume reads it from the folder again, on any layout, before loading the checkpoint). Without a folder the
+        base is the seeded random init, and it is saved: the checkpoint then does not depend on how (full copy, or
+        in place for big models) a layout initialised it."""
+        return self.config.lora.enabled and bool(self.config.checkpoint.initial_load_path)
+
     def _resume(self) -> int | None:
         """Load the newest checkpoint; a data state made with other data gets a hint of what to do."""
+        source = self.dump_folder / MODEL_COPY / "source.json"
+        if self.config.lora.enabled and not self._lora_base_from_folder() and source.is_file():
+            started = json.loads(source.read_text()).get("initial_load_path")
+            if started and self.checkpointer.complete_steps():  # (no collective: a local listing)
+                raise ValueError(
+                    f"this LoRA run started from the HF folder {started} ({source}): its checkpoints hold the adapters "
+                    f"only, not the frozen base; resume with --checkpoint.initial_load_path {started}"
+                )
         try:
             return self.checkpointer.load_latest()
         except DataStateMismatch as e:
@@ -519,6 +590,7 @@ class Trainer(Configurable):
             cu_seqlens=mb["cu_seqlens"],
             max_seqlen=mb["max_seqlen"],
             cu_seqlens_host=mb.get("cu_seqlens_host"),
+            token_mask=mb.get("token_mask"),  # padding out of the MoE router statistics
             **inputs,
             **({"mtp_input_ids": mb["mtp_input_ids"]} if self.mtp_config is not None else {}),
         )
@@ -590,6 +662,11 @@ class Trainer(Configurable):
         Beside the weights and config.json, rank 0 writes what a server needs (``hf_serving``): the run's
         tokenizer and chat template (``--data.tokenizer``, else the loaded folder's own), and the loaded folder's
         generation and processor configs.
+
+        A LoRA run (``--lora.rank > 0``) writes ``<path>/adapter`` (the PEFT adapter folder), with
+        ``--lora.export_vllm`` ``<path>/adapter_vllm`` (vLLM's per-expert 2-D form) and with ``--lora.export_merged``
+        ``<path>/merged`` (the base with the adapters folded in), each with the server files
+        (``protocols/hf_lora.py``).
         """
         if self.spec.save_pretrained is None:
             raise NotImplementedError(
@@ -601,11 +678,21 @@ class Trainer(Configurable):
         with ctx:
             sd = get_model_state_dict(self.model)  # our names; sharded DTensors, nothing gathered yet
             dtype = to_torch_dtype(self.config.checkpoint.export_dtype, field="checkpoint.export_dtype")
-            self.spec.save_pretrained(self.model, path, state_dict=sd, dtype=dtype)  # every rank; config + passthrough
+            folders = [Path(path)]
+            if self.config.lora.enabled:  # path/adapter (PEFT), adapter_vllm, merged: protocols/hf_lora.py
+                lora = self.config.lora
+                folders = export_lora(
+                    self.spec, self.model, path, state_dict=sd, dtype=dtype, vllm=lora.export_vllm,
+                    merged=lora.export_merged, base_model_name_or_path=self.config.checkpoint.initial_load_path,
+                    modules_to_save=sorted(n for n in self.lora_trainable if not is_lora_param(n)),
+                )  # fmt: skip
+            else:
+                self.spec.save_pretrained(self.model, path, state_dict=sd, dtype=dtype)  # every rank; config + passthrough
         if self.rank == 0:
-            served = write_serving_files(path, folder=self.config.checkpoint.initial_load_path,
-                                         tokenizer=self._run_tokenizer())  # fmt: skip
-            self._log(f"HF export written to {path}" + (f" (with {', '.join(served)})" if served else ""))
+            for out in folders:
+                served = write_serving_files(out, folder=self.config.checkpoint.initial_load_path,
+                                             tokenizer=self._run_tokenizer())  # fmt: skip
+                self._log(f"HF export written to {out}" + (f" (with {', '.join(served)})" if served else ""))
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()
 

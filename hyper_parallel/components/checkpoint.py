@@ -4,6 +4,7 @@ Layout under ``<dump_folder>/<folder>``::
 
     step-200/            a complete checkpoint
       .metadata, __*.distcp    DCP: model, optimizer, lr_scheduler, extra states (ema ...), train_state
+                               (a LoRA run from an HF folder: no frozen parameter; the base is the folder's)
       global.pt                global_states (the data stream position: the same on every rank), rank 0
       rank0.pt, rank1.pt ...   per-rank state: RNG (python/numpy/torch/cuda) and rank_states
       run_config.json          the run config (rank 0)
@@ -147,13 +148,18 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 class ModelWrapper:
-    """DCP ``Stateful`` over model parts: FQN-keyed, sharded DTensors stay sharded."""
+    """DCP ``Stateful`` over model parts: FQN-keyed, sharded DTensors stay sharded.
 
-    def __init__(self, model_parts: nn.Module | Sequence[nn.Module]) -> None:
+    ``save_frozen=False`` leaves frozen parameters (``requires_grad=False``) out of the state, saved and loaded
+    alike: a LoRA run started from an HF folder keeps its base there, and only the adapters, the modules
+    trained in full and every buffer are checkpointed."""
+
+    def __init__(self, model_parts: nn.Module | Sequence[nn.Module], *, save_frozen: bool = True) -> None:
         self.model_parts = _as_parts(model_parts)
+        self.options = StateDictOptions(ignore_frozen_params=not save_frozen)
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: v for m in self.model_parts for k, v in get_model_state_dict(m).items()}
+        return {k: v for m in self.model_parts for k, v in get_model_state_dict(m, options=self.options).items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # strict=False: the merged dict holds every part's keys; DCP already failed on a missing key.
@@ -179,7 +185,9 @@ class CheckpointManager(Configurable):
     optimizers=..., lr_schedulers=..., states={"ema": ema}, global_states={"dataloader": dl},
     run_config=config)``. ``states`` are replicated/sharded Statefuls saved through DCP;
     ``global_states`` hold the same plain state on every rank (saved once by rank 0, read by all);
-    ``rank_states`` are per-rank Statefuls saved in the rank's side file.
+    ``rank_states`` are per-rank Statefuls saved in the rank's side file. ``save_frozen=False`` keeps frozen
+    parameters out of the checkpoint (``ModelWrapper``): the caller restores them (a LoRA base from its HF folder)
+    before ``load_latest``.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -218,13 +226,14 @@ class CheckpointManager(Configurable):
         global_states: Mapping[str, Any] | None = None,
         rank_states: Mapping[str, Any] | None = None,
         run_config: Any = None,
+        save_frozen: bool = True,
     ) -> None:
         super().__init__(config)
         self.config: CheckpointManager.Config = config
         if config.interval < 1:
             raise ValueError(f"checkpoint.interval={config.interval} must be >= 1")
         self.folder = Path(dump_folder) / config.folder
-        self.model = ModelWrapper(model_parts)
+        self.model = ModelWrapper(model_parts, save_frozen=save_frozen)
         self.optimizers, self.lr_schedulers = optimizers, lr_schedulers
         reserved = {"model", "optimizer", "lr_scheduler", "train_state"} & set(states or {})
         if reserved:

@@ -39,7 +39,7 @@ LEGACY_SECTIONS = ("model", "data", "train")
 
 _NEW_SECTIONS = (
     "model_spec", "model", "training", "parallelism", "activation_checkpoint", "compile", "comm", "debug",
-    "data", "optimizer", "lr_scheduler", "loss", "ema", "checkpoint", "validation", "metrics", "profiling",
+    "data", "optimizer", "lr_scheduler", "loss", "ema", "lora", "checkpoint", "validation", "metrics", "profiling",
     "dump_folder", "explicit_model_fields",
 )  # fmt: skip
 MIGRATION_DOC = "docs/migrations/v2_migration.md"

@@ -50,7 +50,7 @@ class ActivationCheckpointConfig:
     selective_every_n_layers: int = 2
     """With mode=selective: checkpoint one decoder layer out of this many."""
     preserve_rng_state: bool = False
-    """Replay RNG state on recompute (only needed with dropout)."""
+    """Replay RNG on recompute (for dropout)."""
 
 
 @dataclass(kw_only=True, slots=True)

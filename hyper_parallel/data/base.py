@@ -99,6 +99,10 @@ class BaseDataLoader(Configurable):
         """text, vision_language: which tokens train. `document`: a conversation trains its assistant turns (content, reasoning, tool calls, end token), plain text every token; `assistant`: assistant turns only (a record without one is a no_assistant bad sample); `all`: every token (image tokens never train)."""
         system_prompt: str = ""
         """text, vision_language: a system message put first in every conversation that has none (empty: none)."""
+        reasoning_effort: str = ""
+        """text, vision_language: chat template `reasoning_effort` where a record sets none ('': its default)."""
+        preserve_thinking: bool | None = None
+        """text, vision_language: chat template `preserve_thinking` (keep, and train, earlier turns' reasoning)."""
         long_conversations: Literal["drop", "cut"] = "drop"
         """text, vision_language: a conversation longer than max_tokens_per_microbatch: `drop` = a too_long bad sample (on_bad_sample: error, or skip and count); `cut` = keep it up to its last assistant turn that fits (counted in data/conversations_cut)."""
         sources: list[SourceConfig] = field(default_factory=list)

@@ -28,6 +28,13 @@ each assistant turn. How the spans are found, with no per-model rule:
   Anything that does not fit (a generation prompt that does not extend the rendering, no header
   before the region, spans that overlap) raises :class:`ChatTemplateError` naming the tokenizer.
 
+**Template options** (:func:`template_options`): the chat-template variables ``reasoning_effort`` and
+``preserve_thinking`` (Qwen3.6 / Qwen3.8 templates) come from the record (a field beside its messages) or the
+data config's default, and reach every rendering of the conversation, the probes above included. The mask
+rules stay the same: under ``preserve_thinking`` the template keeps earlier assistant turns' reasoning in the
+rendering, so it lies in those turns' regions and trains with them; without it, what the template drops is
+not there to train.
+
 Vision-language: every ``{"type": "image"}`` part becomes the ``<image>`` marker in the text the
 template sees, so every template renders images the same way and the encoder expands each marker
 into the model's image tokens (which never carry loss).
@@ -51,9 +58,11 @@ __all__ = [
     "ChatEncoding",
     "ChatTemplateError",
     "LOSS_ON_CHOICES",
+    "TEMPLATE_OPTIONS",
     "check_conversation",
     "encode_chat",
     "resolve_loss_on",
+    "template_options",
 ]
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -72,6 +81,11 @@ conversation, every token for plain text; ``assistant`` = assistant turns only (
 a ``no_assistant`` bad sample); ``all`` = every token (image tokens never train)."""
 
 IMAGE_MARKER = "<image>"
+
+TEMPLATE_OPTIONS: dict[str, type] = {"reasoning_effort": str, "preserve_thinking": bool}
+"""Chat-template variables a record may set for its conversation (a field of that name beside its messages),
+else ``data.reasoning_effort`` / ``data.preserve_thinking``; unset, the template's own default applies (the
+Qwen3.8 template: ``reasoning_effort`` ``xhigh``, earlier turns' reasoning kept)."""
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _SENTINELS = ("\ue000", "\ue001\ue002")
@@ -94,6 +108,27 @@ def resolve_loss_on(loss_on: str, *, is_chat: bool) -> str:
 
 def _bad(detail: str) -> BadSample:
     return BadSample("bad_conversation", detail)
+
+
+def template_options(
+    record: Mapping[str, Any] | None = None, *, reasoning_effort: str = "", preserve_thinking: bool | None = None
+) -> dict[str, Any]:
+    """The template variables of one conversation (:data:`TEMPLATE_OPTIONS`): the record's own fields, else the
+    defaults given (``""`` / None: not passed, the template's default applies). A field of the wrong type is a
+    ``bad_conversation`` bad sample."""
+    out: dict[str, Any] = {}
+    if reasoning_effort:
+        out["reasoning_effort"] = reasoning_effort
+    if preserve_thinking is not None:
+        out["preserve_thinking"] = preserve_thinking
+    for key, kind in TEMPLATE_OPTIONS.items():
+        value = (record or {}).get(key)
+        if value is None:
+            continue
+        if not isinstance(value, kind):
+            raise _bad(f"field {key!r} must be a {kind.__name__} (a chat-template variable), got {value!r:.80}")
+        out[key] = value
+    return out
 
 
 def _content_text(content: Any, where: str, *, images: bool) -> tuple[Any, int]:

@@ -16,6 +16,9 @@ next-fit (arrival order). The open bins are part of the plan's checkpoint.
 - ``cu_seqlens`` int32 ``[D+1]``: segment boundaries over the flat stream, the padding run being
   the last segment, so ``cu_seqlens[-1] == T``; ``cu_seqlens_host``: the same boundaries as a Python
   ``list[int]`` (attention reads them without a device sync); ``max_seqlen`` int: the longest segment;
+- ``token_mask`` bool ``[1, T]``: True at the documents' tokens, False on the padding run (HF's
+  ``attention_mask``): statistics over a forward's tokens (the MoE router's load-balancing loss) leave the
+  padding out, so a layout that pads more (context parallel pads to ``2 x cp``) computes the same values;
 
 plus the source's model inputs, from its ``extras(documents, offsets)`` hook (DirectToken:
 its image inputs). Generic code knows no model input.
@@ -143,6 +146,7 @@ def collate_packed(
     seg_lengths = lengths + ([pad] if pad else [])
     position_ids = np.concatenate([np.arange(n, dtype=np.int64) for n in seg_lengths])
     cu_seqlens = np.cumsum([0, *seg_lengths])
+    token_mask = np.arange(total) < used
     batch = {
         "input_ids": torch.from_numpy(input_ids.astype(np.int64, copy=False)).view(1, total),
         "labels": torch.from_numpy(labels.astype(np.int64, copy=False)).view(1, total),
@@ -151,6 +155,7 @@ def collate_packed(
         # the same boundaries as Python ints: attention reads them without a device->host sync
         "cu_seqlens_host": cu_seqlens.tolist(),
         "max_seqlen": int(max(seg_lengths)),
+        "token_mask": torch.from_numpy(token_mask).view(1, total),
     }
     if extras is not None:
         batch.update(extras(documents, offsets[:-1]))

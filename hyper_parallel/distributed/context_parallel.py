@@ -77,7 +77,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # Generic batch keys laid out [..., B, T] that are split along T.
-_SEQ_KEYS = ("input_ids", "labels", "position_ids", "source_ids", "mtp_input_ids", "mtp_labels")
+_SEQ_KEYS = ("input_ids", "labels", "position_ids", "source_ids", "mtp_input_ids", "mtp_labels", "token_mask")
 
 
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -417,7 +417,7 @@ def split_batch_for_cp(
     ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` of ``2 * cp_size`` (``CPShard``; use the model's
     ``cp_shard.balanced`` after ``apply_context_parallel``).
 
-    The generic keys ``input_ids``, ``labels`` (``[B, T]``) and ``position_ids`` (``[B, T]`` or
+    The generic keys ``input_ids``, ``labels``, ``token_mask`` (``[B, T]``) and ``position_ids`` (``[B, T]`` or
     ``[3, B, T]``) are sliced along their last dim; ``cu_seqlens``/``max_seqlen`` stay GLOBAL (the sequence
     cores see or reach whole rows). The model's own inputs (``model_keys``) go through
     ``split_inputs(inputs, ranges=, seqlen=)`` (the model's ``split_inputs_for_cp``; ``ranges`` are this rank's

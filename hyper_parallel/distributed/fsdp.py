@@ -28,6 +28,7 @@ __all__ = [
     "reshard_policy",
     "set_gradient_reduction",
     "shard_module",
+    "store_frozen_in_param_dtype",
     "sum_gradients",
     "tied_groups",
 ]
@@ -125,6 +126,40 @@ def fp32_policy_like(policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
         output_dtype=policy.output_dtype,
         cast_forward_inputs=policy.cast_forward_inputs,
     )
+
+
+def store_frozen_in_param_dtype(
+    model: nn.Module,
+    policy: MixedPrecisionPolicy,
+    *,
+    keep: Iterable[nn.Module] = (),
+    ignored: Iterable[nn.Parameter] = (),
+) -> int:
+    """Store every frozen parameter (``requires_grad=False``) of ``model`` in ``policy.param_dtype``; returns
+    how many were cast.
+
+    A frozen weight (a LoRA base, a frozen tower) is never updated, so the fp32 master copy mixed precision
+    keeps for trainable weights would only double its memory: it is stored in the compute dtype, FSDP shards
+    and gathers it as it is (no cast), and it has no gradient, no reduce-scatter and no optimizer state.
+    FSDP2 allows frozen and trainable parameters of different dtypes in one unit (only the trainable ones must
+    share a dtype). Call before ``fully_shard`` (on meta or materialised parameters, DTensors or plain).
+    ``keep``: modules computing in fp32 whatever the policy (routers), ``ignored``: FSDP-ignored parameters
+    (kept whole, in their own dtype). A parameter held by several modules (tied) stays one parameter.
+    """
+    dtype = policy.param_dtype
+    if dtype is None or dtype == torch.float32:
+        return 0
+    skip = {id(p) for m in keep for p in m.parameters()} | {id(p) for p in ignored}
+    done: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.requires_grad or id(param) in skip or not param.is_floating_point() or param.dtype == dtype:
+                continue
+            new = done.get(id(param))
+            if new is None:
+                new = done[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
+            module.register_parameter(name, new)
+    return len(done)
 
 
 def cast_inputs_to_param_dtype(module: nn.Module, policy: MixedPrecisionPolicy) -> None:

@@ -15,7 +15,8 @@ blocks (MLA's latent projections and norms: their activation gradients are parti
 MoE runs on the rank's sequence shard, the router, the routed experts and any other plain MoE weight
 (a shared-expert gate). Statistics over a forward's tokens (the MoE aux loss) are summed over the cp x tp
 ranks that split them (``token_split.py``). With EP the routed experts get a
-unit on ``efsdp``, sharded on dim 1. A bf16 run keeps routers in fp32 units.
+unit on ``efsdp``, sharded on dim 1. A bf16 run keeps routers in fp32 units and stores frozen parameters (a
+LoRA base) in bf16: no fp32 master copy, no gradient, no reduce-scatter for them.
 Gradients are summed, not averaged, over data-parallel ranks (see ``fsdp.py``).
 """
 
@@ -40,6 +41,7 @@ from hyper_parallel.distributed.fsdp import (
     mixed_precision_policy,
     reshard_policy,
     shard_module,
+    store_frozen_in_param_dtype,
     tied_groups,
 )
 from hyper_parallel.distributed.parallel_dims import ParallelDims
@@ -161,10 +163,12 @@ def parallelize_decoder(
     the decoder layers (AC/compile/FSDP units); MoE layers are found by their ``experts`` child.
     ``embeddings`` and ``head`` are FSDP units each (every rank must call them in every forward).
     ``cast_input_modules`` (inside a bigger unit) get FSDP's mixed-precision input cast.
-    ``ignored_params`` stay whole on every rank, outside FSDP (frozen parameters).
+    ``ignored_params`` stay whole on every rank, outside FSDP (frozen parameters). Other frozen parameters (a
+    LoRA base) are FSDP-sharded and stored in the compute dtype (``store_frozen_in_param_dtype``).
     """
     pd = parallel_dims
     layers = list(layers)
+    ignored_params = list(ignored_params)
 
     # 1. context parallel around every sequence core: Ulysses all-to-all over heads where they divide, else
     # K/V all-gather (attention) or state passing (Gated DeltaNet); chosen per core and logged
@@ -190,11 +194,15 @@ def parallelize_decoder(
             raise ValueError("expert_parallel_degree > 1 but the model declares no expert-parallel placements")
         apply_expert_parallel_dispatch(model, pd.mesh("ep"))
 
+    # frozen weights (a LoRA base) are stored in the compute dtype: no fp32 master copy (routers keep fp32)
+    mp = mixed_precision_policy(training)
+    routers = [m.mlp.gate for m in layers if hasattr(getattr(m, "mlp", None), "experts") and hasattr(m.mlp, "gate")]
+    store_frozen_in_param_dtype(model, mp, keep=routers, ignored=ignored_params)
+
     # 5. compile
     apply_compile(layers, compile_config)
 
     # 6. FSDP2 / HSDP
-    mp = mixed_precision_policy(training)
     reshard = reshard_policy(parallelism.fsdp_reshard_after_forward)
     dense_mesh, expert_mesh = pd.fsdp_mesh(), pd.efsdp_mesh()
     # Parameters whose gradients differ across tp ranks reduce over a mesh that includes tp: replicated

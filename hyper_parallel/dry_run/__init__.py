@@ -17,6 +17,10 @@ What it does, in one process on CPU:
 5. prints the per-rank table, the peak, the collectives, and whether it fits ``--device_memory_gib``
    (naming the knob that would help when it does not).
 
+With ``--lora.rank`` the model is ``apply_lora`` of the resolved one and its base is frozen before parallelizing, as
+in the Trainer: the census counts the frozen base once in the dtype it is stored in, with no gradient or optimizer
+state, and the report adds a LoRA line (``lora_memory.py``).
+
 Nothing here names a model: everything comes from the registered ``ModelSpec`` and the config.
 """
 
@@ -30,12 +34,14 @@ from collections.abc import Sequence
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hyper_parallel.config.errors import ConfigError
+from hyper_parallel.config.lora import apply_lora
 from hyper_parallel.config.manager import ConfigManager
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.config.dtypes import to_torch_dtype
 from hyper_parallel.dry_run.advice import fit_advice
 from hyper_parallel.dry_run.hf_memory import hf_io_memory
-from hyper_parallel.dry_run.layout import ShardCensus, optimizer_state_layout, param_layouts, rank_memory
+from hyper_parallel.dry_run.layout import ParamLayout, ShardCensus, optimizer_state_layout, param_layouts, rank_memory
+from hyper_parallel.dry_run.lora_memory import lora_memory
 from hyper_parallel.dry_run.report import CommVolume, DryRunReport, format_report
 from hyper_parallel.dry_run.simulation import SimulationMode
 from hyper_parallel.dry_run.step import (
@@ -86,12 +92,13 @@ def dry_run(
     # an HF folder (--checkpoint.initial_load_path) is the model, as in the trainer: size the folder's
     folder = config.checkpoint.initial_load_path
     model = resolve_run_model(spec, config.model, folder=folder, explicit=config.explicit_model_fields).config
-    config = dataclasses.replace(config, model=model)
+    # LoRA: adapters on the resolved model, as the Trainer applies them (build_parallel_model freezes the base)
+    config = dataclasses.replace(config, model=apply_lora(model, config.lora))
     pd = ParallelDims.from_config(config.parallelism, world_size)
     validate_layout(spec, config, pd)
     layers = list(getattr(config.model, "layers", None) or [])
     plan = layer_plan(layers, full=full_depth, buildable=builds_at_depth(config))
-    census = _static_census(spec, config, pd, plan, world_size)
+    census, layouts = _static_census(spec, config, pd, plan, world_size)
     tc, ac = config.training, config.activation_checkpoint
     report = DryRunReport(
         title=title or config.model_spec,
@@ -115,6 +122,8 @@ def dry_run(
             "load) are not counted"
         ],
     )
+    if config.lora.enabled:
+        report.lora = lora_memory(layouts, config.lora)
     report.hf_io = hf_io_memory(
         census, world_size=world_size,
         export_itemsize=to_torch_dtype(config.checkpoint.export_dtype, field="checkpoint.export_dtype").itemsize,
@@ -152,8 +161,9 @@ def dry_run(
 
 def _static_census(
     spec: ModelSpec, config: Trainer.Config, pd: ParallelDims, plan: LayerPlan, world_size: int
-) -> ShardCensus:
-    """Every rank's parameter, gradient and optimizer bytes, from the model parallelized (on meta) as rank 0."""
+) -> tuple[ShardCensus, list[ParamLayout]]:
+    """Every rank's parameter, gradient and optimizer bytes, from the model parallelized (on meta) as rank 0;
+    and the parameters' layouts."""
     with fake_world(world_size, rank=0), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
         pd.build_mesh(MESH_DEVICE)
@@ -167,7 +177,7 @@ def _static_census(
     missing = [fqn for fqn, rep in trainable.items() if rep not in state]
     if missing:
         raise RuntimeError(f"the optimizer kept no state for the trainable parameters {missing[:4]}")
-    return rank_memory(layouts, world_size, {fqn: state[rep] for fqn, rep in trainable.items()})
+    return rank_memory(layouts, world_size, {fqn: state[rep] for fqn, rep in trainable.items()}), layouts
 
 
 def _pop(args: list[str], name: str, *, flag: bool = False) -> str | None:

@@ -77,6 +77,8 @@ class RankMemory:
     """Unpadded bytes of this rank's shards (what an HF load reads for it)."""
     largest_local: int = 0
     """Bytes of this rank's largest shard of one parameter."""
+    frozen_params: int = 0
+    """Part of ``params`` that trains nothing (a LoRA base, a frozen codebook): no gradient, no optimizer state."""
 
     @property
     def static(self) -> int:
@@ -203,6 +205,8 @@ def rank_memory(
                 mem.outside_fsdp += n * layout.itemsize
             if layout.trainable:
                 mem.grads += stored * layout.itemsize
+            else:
+                mem.frozen_params += stored * layout.itemsize
             mem.optimizer += n * state.bytes_per_element + state.fixed_bytes
     return ShardCensus(
         ranks=ranks,

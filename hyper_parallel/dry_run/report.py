@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from hyper_parallel.dry_run.hf_memory import HFIOMemory
 from hyper_parallel.dry_run.layout import RankMemory
+from hyper_parallel.dry_run.lora_memory import LoRAMemory, format_lora
 
 __all__ = ["CommVolume", "DryRunReport", "format_hf_io", "format_report"]
 
@@ -62,6 +63,8 @@ class DryRunReport:
     depths: tuple[int, ...] = ()
     """Layer counts the step was simulated at (two: scaled to full depth)."""
     comm: list[CommVolume] = field(default_factory=list)
+    lora: LoRAMemory | None = None
+    """LoRA runs: adapters, modules_to_save and the frozen base (``lora_memory.py``)."""
     hf_io: list[HFIOMemory] = field(default_factory=list)
     """Host memory of the HF load and export per rank (``hf_memory.py``)."""
     advice: list[str] = field(default_factory=list)
@@ -146,6 +149,8 @@ def format_report(report: DryRunReport) -> str:
     lines.append("  exact bytes (params / grads / optimizer): " + "; ".join(
         f"ranks {ranks}: {m.params:,} / {m.grads:,} / {m.optimizer:,}" for ranks, m, _ in rows
     ))
+    if r.lora is not None:
+        lines += ["", *format_lora(r.lora, max(r.ranks, key=lambda m: (m.static, -m.rank)), (unit, size))]
     if r.peak:
         how = (
             f"simulated at {r.depths[0]} and {r.depths[1]} of {r.num_layers} layers and scaled per layer"

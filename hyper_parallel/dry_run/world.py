@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyper_parallel.config.lora import freeze_lora_base, lora_trainable_names
 from hyper_parallel.distributed.env import destroy_distributed
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.protocols.model_spec import ModelSpec
@@ -55,9 +56,14 @@ def build_parallel_model(
     """Build ``model_config`` (default: the run's) on the meta device and apply the run's parallelize path.
 
     ``torch.compile`` is left out: the simulated step runs eagerly (compiled kernels may use less memory).
+    With LoRA on (the run's model config is already ``apply_lora``'s), everything but the adapters and
+    ``--lora.modules_to_save`` is frozen before parallelizing, as the Trainer does, so the parallelize path stores
+    the frozen base in the compute dtype and the census counts no gradient or optimizer state for it.
     """
     with torch.device("meta"):
         model = (model_config if model_config is not None else config.model).build()
+    if config.lora.enabled:
+        freeze_lora_base(model, lora_trainable_names(model, config.lora.modules_to_save))
     return spec.parallelize_fn(
         model,
         parallel_dims=parallel_dims,

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from hyper_parallel.models.common.lora import is_lora_param
 from hyper_parallel.protocols.hf_quant import dequantize_lazy, folder_quantization, quantization_of
 from hyper_parallel.protocols.hf_storage import (
     HFCheckpointError,
@@ -237,8 +238,10 @@ def load_checked(
     shape) runs on the folder's lazy tensors and raises on any bad key or shape; dtypes are checked too, so
     nothing is copied from a checkpoint that does not fit. Each rank then reads only the slices its own
     shards cover. ``init_missing`` runs first when the checkpoint does not fill every key (the parts it
-    lacks keep that initialisation). The ``passthrough`` (HF keys the model does not represent) is kept on
-    ``model.hf_passthrough`` as lazy references to the folder's files: the export reads them again.
+    lacks keep that initialisation). LoRA adapters (``is_lora_param``) are never expected from a base folder and
+    never trigger ``init_missing``: the caller initialises them (``lora.init_adapters_``). The ``passthrough`` (HF
+    keys the model does not represent) is kept on ``model.hf_passthrough`` as lazy references to the folder's
+    files: the export reads them again.
 
     A block-FP8 release (``quantization_config``, ``hf_quant``) is dequantized on the way: ``convert`` sees each
     quantized weight as the dense tensor it stands for (its ``*_scale_inv`` consumed), and each rank reads only
@@ -248,9 +251,12 @@ def load_checked(
     folder = HFFolder.open(path)
     ours = model_state_dict(model)
     tensors = dequantize_lazy(folder.tensors, quant, where=str(folder.path))
-    result = convert(tensors, {k: v.shape for k, v in ours.items()})
+    # LoRA adapters are never in a base folder (the caller initialises them): a folder that fills the base does not
+    # need the whole-model random init first.
+    expected = {k: v.shape for k, v in ours.items() if not is_lora_param(k)}
+    result = convert(tensors, expected)
     raise_problems(_dtype_problems(result.state_dict, ours), f"checkpoint {folder.path}")
-    if init_missing is not None and result.state_dict.keys() != ours.keys():
+    if init_missing is not None and result.state_dict.keys() != expected.keys():
         init_missing()
         ours = model_state_dict(model)
     for key, src in result.state_dict.items():

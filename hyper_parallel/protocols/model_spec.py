@@ -102,6 +102,7 @@ HF_MODEL_TYPES: dict[str, tuple[str, ...]] = {
     "qwen3_5_moe": ("qwen3_5_moe", "qwen3_vl_moe"),
     "qwen3_5_moe_text": ("qwen3_5_moe",),  # Qwen3_5MoeForCausalLM
     "qwen3_vl_moe": ("qwen3_vl_moe",),  # Qwen3VLMoeForConditionalGeneration
+    "qwen3_vl": ("qwen3_vl_moe",),  # Qwen3VLForConditionalGeneration (Qwen3-VL dense): the VL package's qwen3_vl family
     "glm4_moe_lite": ("glm_image_moe",),  # Glm4MoeLiteForCausalLM (GLM-4.7-Flash): the text part of GlmImageMoe
     "glm_image_moe": ("glm_image_moe",),
 }

@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor, Partial, Placement
 
 __all__ = ["LocalMapConfig", "MeshAxisName", "NamedPlacement", "ShardingConfig", "local_shard"]
 
@@ -79,5 +79,11 @@ class ShardingConfig:
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a parameter that parallelisation may have made a DTensor (plain tensors pass);
     for modules that compute on local tensors (``local_forward``, expert-parallel experts). The gradient
-    flows back as that shard."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    flows back as that shard.
+
+    A replicated placement's local copy serves this rank's share of the computation only (its heads, the
+    tokens its experts received: a LoRA adapter shared by every expert under EP), so its gradient is this
+    rank's contribution: it flows back ``Partial`` and the parameter's reduction (FSDP) sums it."""
+    if not isinstance(t, DTensor):
+        return t
+    return t.to_local(grad_placements=[Partial() if p.is_replicate() else p for p in t.placements])

@@ -260,10 +260,13 @@ def tokenize_to_shards(
     root = os.path.join(os.path.expanduser(cache_dir), "text_tokens")
     os.makedirs(root, exist_ok=True)
     tok_print = tokenizer_fingerprint(os.path.expanduser(tokenizer))
-    spec_json = json.dumps(
-        {k: getattr(record_spec, k) for k in ("text_column", "chat_column", "key_column", "append_eos", "system_prompt")},
-        sort_keys=True,
-    )
+    keys = ("text_column", "chat_column", "key_column", "append_eos", "system_prompt")
+    spec = {k: getattr(record_spec, k) for k in keys}
+    # the chat-template options change the rendering: keyed only when set (caches made without them stay valid)
+    for k in ("reasoning_effort", "preserve_thinking"):
+        if getattr(record_spec, k, None) not in ("", None):
+            spec[k] = getattr(record_spec, k)
+    spec_json = json.dumps(spec, sort_keys=True)
     loaded = None
     out: list[TokenizedFile | None] = [None] * len(files)
     for j in range(len(files)):
@@ -361,8 +364,10 @@ class HuggingFaceTextDataLoader(ShardedDataLoader):
                 f"{self.vocab_size}: use the model's tokenizer (or a model with a larger vocabulary)"
             )
         spec = TextRecordSpec(
-            text_column=c.text_column, chat_column=self._chat_column() or None, system_prompt=self._option("system_prompt", "")
-        )
+            text_column=c.text_column, chat_column=self._chat_column() or None,
+            system_prompt=self._option("system_prompt", ""), reasoning_effort=self._option("reasoning_effort", ""),
+            preserve_thinking=self._option("preserve_thinking", None),
+        )  # fmt: skip
         start = self.dp_rank * len(files) // self.dp_world_size
         self.tokenized_files = tokenize_to_shards(files, tokenizer, spec, cache_dir=c.cache_dir, start=start)
         for t in self.tokenized_files:

@@ -49,7 +49,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from hyper_parallel.data.bad_samples import BadSample, BadSampleError
-from hyper_parallel.data.chat import ChatTemplateError, check_conversation, encode_chat
+from hyper_parallel.data.chat import ChatTemplateError, check_conversation, encode_chat, template_options
 from hyper_parallel.data.tokenizer import BaseTokenizer, HuggingFaceTokenizer
 
 __all__ = [
@@ -93,6 +93,10 @@ class TextRecordSpec:
     """Append eos to plain-text documents unless the tokenizer's policy already ends them with it."""
     system_prompt: str = ""
     """Chats: a system message put first in every conversation that has none (empty: none added)."""
+    reasoning_effort: str = ""
+    """Chats: the template's ``reasoning_effort`` for records without that field (empty: the template's default)."""
+    preserve_thinking: bool | None = None
+    """Chats: the template's ``preserve_thinking`` for records without that field (None: the template's default)."""
 
 
 class TextDocument(NamedTuple):
@@ -335,9 +339,11 @@ def iter_text_documents(
                 continue
             yield TextDocument(path, row, key, np.asarray(ids + eos, dtype=np.int32))
 
-    def chat_document(path: str, row: int, key: str, messages: list[dict[str, Any]]) -> TextDocument | None:
+    def chat_document(
+        path: str, row: int, key: str, messages: list[dict[str, Any]], options: dict[str, Any]
+    ) -> TextDocument | None:
         try:
-            encoded = encode_chat(tokenizer, messages)
+            encoded = encode_chat(tokenizer, messages, **options)
         except ChatTemplateError:
             raise  # the template, not the record: an error naming the tokenizer folder
         except Exception as e:  # noqa: BLE001 - jinja raise_exception(), a template that needs other fields, ...
@@ -359,13 +365,16 @@ def iter_text_documents(
             try:
                 if spec.chat_column is not None:
                     messages = _chat_messages(record, spec)
+                    options = template_options(
+                        record, reasoning_effort=spec.reasoning_effort, preserve_thinking=spec.preserve_thinking
+                    )
                 else:
                     text = _check_text(record, spec)
             except BadSample as e:
                 bad(path, row, key, e)
                 continue
             if spec.chat_column is not None:
-                doc = chat_document(path, row, key, messages)
+                doc = chat_document(path, row, key, messages, options)
                 if doc is not None:
                     yield doc
                 continue

@@ -91,6 +91,8 @@ class VisionLanguageDataLoader(ShardedDataLoader):
         self.encoder = make_encoder(
             self._tokenizer_folder(), self._image_config(), facts, system_prompt=getattr(c, "system_prompt", ""),
             video=video, token_budget=c.max_tokens_per_microbatch,
+            reasoning_effort=getattr(c, "reasoning_effort", ""),
+            preserve_thinking=getattr(c, "preserve_thinking", None),
         )  # fmt: skip
         if getattr(c, "long_conversations", "drop") == "cut":
             raise ValueError(

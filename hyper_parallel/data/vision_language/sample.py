@@ -52,7 +52,14 @@ from hyper_parallel.data.bad_samples import (
     BadSampleError,
     bad_sample_message,
 )
-from hyper_parallel.data.chat import CHAT_BAD_KINDS, ChatTemplateError, check_conversation, encode_chat, resolve_loss_on
+from hyper_parallel.data.chat import (
+    CHAT_BAD_KINDS,
+    ChatTemplateError,
+    check_conversation,
+    encode_chat,
+    resolve_loss_on,
+    template_options,
+)
 from hyper_parallel.data.index import IndexSpec
 from hyper_parallel.data.packing import collate_packed, shift_labels
 from hyper_parallel.data.preset import register_batch_check
@@ -240,8 +247,11 @@ class VisionLanguageEncoder:
         tokenizer_fingerprint: str,
         system_prompt: str = "",
         videos: VideoRecords | None = None,
+        template_defaults: Mapping[str, Any] | None = None,
     ) -> None:
         self.tokenizer, self.processor = tokenizer, processor
+        self.template_defaults = dict(template_defaults or {})
+        """The ``reasoning_effort`` / ``preserve_thinking`` defaults (``hyper_parallel.data.chat.template_options``)."""
         self.videos = videos
         """The video half (None: the model takes no video; a ``<video>`` marker is then a bad record)."""
         self.system_prompt = system_prompt
@@ -272,6 +282,7 @@ class VisionLanguageEncoder:
             "max_pixels": c.max_pixels,
             "max_input_pixels": c.max_input_pixels,
             "system_prompt": self.system_prompt,
+            **({"template_defaults": self.template_defaults} if self.template_defaults else {}),
             **(self.videos.index_params() if self.videos is not None else {}),
         }
 
@@ -289,12 +300,15 @@ class VisionLanguageEncoder:
         except ImageError as e:
             raise _bad(e.kind, f"image {name!r} {e.detail}") from None
 
-    def render(self, text: str | None, messages: list[dict[str, Any]] | None) -> str:
-        """The string whose ``<image>`` markers are expanded: the text, or the rendered chat."""
+    def render(
+        self, text: str | None, messages: list[dict[str, Any]] | None, options: Mapping[str, Any] | None = None
+    ) -> str:
+        """The string whose ``<image>`` markers are expanded: the text, or the chat rendered with the template
+        variables ``options`` (:func:`~hyper_parallel.data.chat.template_options`)."""
         if messages is None:
             return text  # type: ignore[return-value]
         try:
-            return self.tokenizer.apply_chat_template(messages)
+            return self.tokenizer.apply_chat_template(messages, **(options or {}))
         except Exception as e:  # noqa: BLE001 - a template that rejects a chat (raise_exception, missing fields)
             raise _bad("undecodable", f"the chat template rejects its messages ({type(e).__name__}: {e})") from None
 
@@ -345,9 +359,12 @@ class VisionLanguageEncoder:
         text, messages = read_text(files)
         images = image_members(files)
         video_names = video_members(files)
+        options: dict[str, Any] = {}
         if messages is not None:
             messages = check_conversation(messages, system_prompt=self.system_prompt, images=True)[0]
-        rendered = self.render(text, messages)
+            # the record's own reasoning_effort / preserve_thinking fields, else the data config's defaults
+            options = template_options(json.loads(files["json"]), **self.template_defaults)
+        rendered = self.render(text, messages, options)
         contents = [text] if messages is None else [m["content"] for m in messages]
         if not images and not video_names and all(not c.strip() for c in contents):
             raise _bad("empty", "its text is blank and it has no image")
@@ -360,11 +377,11 @@ class VisionLanguageEncoder:
             )
         grids = [self._grid(key, member, files[member]) for member in images]
         plans = self._video_plans(key, files, rendered, video_names)
-        ids, mask = self._tokens(rendered, messages, grids, plans)
+        ids, mask = self._tokens(rendered, messages, grids, plans, options)
         if plans and self.videos.token_budget is not None and len(ids) > self.videos.token_budget:
             other = len(ids) - sum(len(self.videos.ids(p)) for p in plans)
             plans = self.videos.fit(key, files, plans, other)  # too_long=fewer_frames: sparser videos
-            ids, mask = self._tokens(rendered, messages, grids, plans)
+            ids, mask = self._tokens(rendered, messages, grids, plans, options)
         input_ids = np.asarray(ids, dtype=np.int64)
         if not len(input_ids):  # a tokenizer that maps the whole text to nothing
             raise _bad("empty", "its text tokenises to no token")
@@ -383,16 +400,18 @@ class VisionLanguageEncoder:
         return [self.videos.plan(key, member, files[member]) for member in names]
 
     def _tokens(
-        self, rendered: str, messages: list[dict[str, Any]] | None, grids: list, plans: Sequence[VideoPlan]
+        self, rendered: str, messages: list[dict[str, Any]] | None, grids: list, plans: Sequence[VideoPlan],
+        options: Mapping[str, Any] | None = None,
     ) -> tuple[list[int], np.ndarray | None]:
-        """Expanded ids and, for a chat, its assistant mask."""
+        """Expanded ids and, for a chat (rendered with the template variables ``options``), its assistant mask."""
         mask = None
         if messages is None:
             ids, _ = self._expand(rendered, grids, plans)
             ids = [*self.bos, *ids, *self.eos]
         else:  # a chat template writes its own special tokens; find the assistant tokens in it
             try:
-                encoded = encode_chat(self.tokenizer, messages, encode=lambda t: self._expand(t, grids, plans))
+                encoded = encode_chat(self.tokenizer, messages, encode=lambda t: self._expand(t, grids, plans),
+                                      **(options or {}))  # fmt: skip
             except (BadSample, ChatTemplateError):
                 raise  # a bad record (reserved token), or the template, not the record
             except Exception as e:  # noqa: BLE001 - a template that rejects a chat (raise_exception, missing fields)
@@ -557,6 +576,8 @@ def make_encoder(
     system_prompt: str = "",
     video: VideoProcessor.Config | None = None,
     token_budget: int | None = None,
+    reasoning_effort: str = "",
+    preserve_thinking: bool | None = None,
 ) -> VisionLanguageEncoder:
     """The encoder for a tokenizer folder, image settings and the model facts :data:`VL_MODEL_FACTS`.
 
@@ -609,8 +630,9 @@ def make_encoder(
         )  # fmt: skip
     return VisionLanguageEncoder(
         tok, processor, **ids, tokenizer_fingerprint=tokenizer_fingerprint(tok.folder), system_prompt=system_prompt,
-        videos=videos,
-    )
+        videos=videos, template_defaults=template_options(reasoning_effort=reasoning_effort,
+                                                          preserve_thinking=preserve_thinking),
+    )  # fmt: skip
 
 
 # -- preset_pt: saved vision-language micro-batches ---------------------------------------------------

@@ -76,6 +76,10 @@ class AttentionMeta:
     """The same boundaries as Python ints (the batch's ``cu_seqlens_host``), so no layer syncs with the
     device; when None they are copied from ``cu_seqlens`` once, on first use, and kept here. Only read
     together with ``cu_seqlens`` (which says whether the batch is packed)."""
+    token_mask: torch.Tensor | None = None
+    """bool ``[B, T]`` (this rank's tokens, as ``position_ids``): True at document tokens, False on the padding run
+    (the batch's ``token_mask``). Attention needs none (the padding is its own segment); the decoder layers hand it
+    to their MoE, whose router statistics leave padding out. None: every position counts."""
     _checked: tuple[int, int] | None = field(default=None, repr=False, compare=False)
     """``(B, T)`` the boundaries were last validated for (validation runs once per meta, not per layer)."""
 

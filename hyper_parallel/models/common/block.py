@@ -84,4 +84,7 @@ class TransformerBlock(Module):
         self, x_BTD: torch.Tensor, *, position_ids: torch.Tensor, meta: AttentionMeta | None = None
     ) -> torch.Tensor:
         h = x_BTD + self.self_attn(self.input_layernorm(x_BTD), position_ids=position_ids, meta=meta)
+        if self.is_moe and meta is not None and meta.token_mask is not None:
+            # padding out of the router statistics (under TP the MoE cuts the mask to its sequence shard)
+            return h + self.mlp(self.post_attention_layernorm(h), token_mask=meta.token_mask)
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -332,13 +332,17 @@ class Decoder(BaseModel):
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
         cu_seqlens_host: Sequence[int] | None = None,
+        token_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run every block; return the hidden states and the summed auxiliary loss (None when no layer has one).
 
-        ``position_ids`` default: ``arange`` per row, or restarting per document.
+        ``position_ids`` default: ``arange`` per row, or restarting per document. ``token_mask`` (bool ``[B, T]``,
+        False on padding) keeps padding out of the MoE router statistics.
         """
         B, T, _ = h_BTD.shape
-        meta = AttentionMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_host=cu_seqlens_host)
+        meta = AttentionMeta(
+            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_host=cu_seqlens_host, token_mask=token_mask
+        )
         if position_ids is None:
             position_ids = meta.position_ids(B, T, device=h_BTD.device)
         auxes = []
@@ -360,8 +364,11 @@ class Decoder(BaseModel):
         max_seqlen: int | None = None,
         cu_seqlens_host: Sequence[int] | None = None,
         mtp_input_ids: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | ModelOutput:
-        """``[B, T]`` ids -> logits ``[B, T, vocab_size]``; ``cu_seqlens`` (int32, flattened stream) packs documents.
+        """``[B, T]`` ids -> logits ``[B, T, vocab_size]``; ``cu_seqlens`` (int32, flattened stream) packs documents;
+        ``token_mask`` (bool ``[B, T]``, the batch's: False on the padding run) keeps padding out of the MoE router
+        statistics (HF's ``attention_mask`` in ``load_balancing_loss_func``).
 
         Returns ``ModelOutput(logits, aux_loss)`` instead when a layer produced an auxiliary loss, and
         ``ModelOutput(logits, aux_loss, mtp_logits)`` when the model has an MTP block and ``mtp_input_ids``
@@ -376,6 +383,7 @@ class Decoder(BaseModel):
             max_seqlen=max_seqlen,
             cu_seqlens_host=cu_seqlens_host,
             mtp_embeds=mtp_embeds,
+            token_mask=token_mask,
         )
 
     def forward_embedded(
@@ -387,6 +395,7 @@ class Decoder(BaseModel):
         max_seqlen: int | None = None,
         cu_seqlens_host: Sequence[int] | None = None,
         mtp_embeds: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | ModelOutput:
         """Layers and head on embedded inputs: logits, or ``ModelOutput`` when there is an aux loss or
         ``mtp_embeds`` (``embed_next_tokens``) are given to an MTP model."""
@@ -394,12 +403,15 @@ class Decoder(BaseModel):
             meta = AttentionMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_host=cu_seqlens_host)
             position_ids = meta.position_ids(h_BTD.shape[0], h_BTD.shape[1], device=h_BTD.device)
         h, aux_loss = self.forward_layers(
-            h_BTD, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_host=cu_seqlens_host
-        )
+            h_BTD, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+            cu_seqlens_host=cu_seqlens_host, token_mask=token_mask,
+        )  # fmt: skip
         if mtp_embeds is None or self.mtp is None:
             logits = self.head(h)
             return logits if aux_loss is None else ModelOutput(logits, aux_loss)
-        meta = AttentionMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_host=cu_seqlens_host)
+        meta = AttentionMeta(
+            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_host=cu_seqlens_host, token_mask=token_mask
+        )
         return self.head_with_mtp(h, aux_loss, mtp_embeds, position_ids=position_ids, meta=meta)
 
     def head_with_mtp(

@@ -1,7 +1,8 @@
 """Mixture of experts: ``Router`` (top-k gate), ``GroupedExperts`` (SwiGLU experts) and ``MoE``.
 
 Shape suffixes: B batch, T tokens (B*seq flattened), D model dim, E experts, F expert hidden dim,
-K experts per token (top-k), S = T*K routed slots, G expert groups.
+K experts per token (top-k), S = T*K routed slots, G expert groups, R LoRA rank, A adapter stacks (E, or 1
+with ``share_experts``), I / O input / output features of one projection.
 
 Numerics follow HF Glm4MoeLite (``Glm4MoeLiteMoE``): fp32 router; sigmoid scores; the correction
 bias only steers the selection; group-limited top-k; weights are the un-biased scores, optionally
@@ -26,6 +27,7 @@ from torch import nn
 from hyper_parallel.models.common.feed_forward import FeedForward
 from hyper_parallel.models.common.grouped_mm import GroupedMMImpl, grouped_linear
 from hyper_parallel.models.common.linear import Linear
+from hyper_parallel.models.common.lora import LoRA, init_lora_A_
 from hyper_parallel.models.common.token_dispatcher import LocalTokenDispatcher, count_tokens_per_expert
 from hyper_parallel.protocols.module import Module
 from hyper_parallel.protocols.param_init import NormalInit, ParamInit
@@ -177,14 +179,19 @@ class LoadBalanceStats:
     HF pools the whole batch's rows (the micro-batch here). When the layout splits those rows over ranks
     (context parallel's pieces, tensor parallel's sequence shards), ``pool`` sums the statistics over them
     before the product (``distributed/token_split.py``), so every layout computes the one-process loss.
+
+    Padding rows are left out when a token mask is given (HF's masked branch, ``attention_mask``): each row's
+    routed slots and probabilities are weighted by its mask and ``rows`` counts the masked-in rows only. Layouts
+    pad rows differently (context parallel to ``2 x cp``), so only then is the loss the same on every layout.
     """
 
     tokens_E: torch.Tensor
     """fp32 ``[E]``: routed (top-k) slots per expert, summed over rows (the choice: no gradient)."""
     probs_E: torch.Tensor
     """fp32 ``[E]``: routing probability per expert, summed over rows (the router's gradient flows here)."""
-    rows: int
-    """Rows (token x layer) summed in."""
+    rows: int | torch.Tensor
+    """Rows (token x layer) summed in: an int, or with a token mask the fp32 0-dim count of the rows it keeps
+    (a tensor: no device->host sync)."""
     coef: float
     """``router_aux_loss_coef`` the loss is multiplied by."""
     pool: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -199,12 +206,24 @@ class LoadBalanceStats:
         *,
         coef: float,
         pool: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        token_mask: torch.Tensor | None = None,
     ) -> LoadBalanceStats:
-        """One layer's sums: ``scores_TE`` normalised to 1 per token (the softmax itself for softmax routers)."""
+        """One layer's sums: ``scores_TE`` normalised to 1 per token (the softmax itself for softmax routers).
+
+        ``token_mask`` (bool or 0/1, ``T`` entries): only the rows it keeps count, as HF ``load_balancing_loss_func``
+        with an ``attention_mask`` (slots and probabilities weighted by the mask, rows = its sum).
+        """
         num_tokens, num_experts = scores_TE.shape
         probs_TE = (scores_TE / scores_TE.sum(dim=-1, keepdim=True)).float()
-        tokens_E = count_tokens_per_expert(topk_idx_TK, num_experts).to(torch.float32)
-        return cls(tokens_E=tokens_E, probs_E=probs_TE.sum(dim=0), rows=num_tokens, coef=coef, pool=pool)
+        if token_mask is None:
+            tokens_E = count_tokens_per_expert(topk_idx_TK, num_experts).to(torch.float32)
+            return cls(tokens_E=tokens_E, probs_E=probs_TE.sum(dim=0), rows=num_tokens, coef=coef, pool=pool)
+        w_T = _token_weights(token_mask, num_tokens)
+        # 0/1 weights: the fp32 counts stay exact integers whatever the summation order
+        w_S = w_T.repeat_interleave(topk_idx_TK.shape[-1])
+        tokens_E = probs_TE.new_zeros(num_experts).scatter_add_(0, topk_idx_TK.reshape(-1), w_S)
+        probs_E = (probs_TE * w_T.unsqueeze(-1)).sum(dim=0)
+        return cls(tokens_E=tokens_E, probs_E=probs_E, rows=w_T.sum(), coef=coef, pool=pool)
 
     def __add__(self, other: LoadBalanceStats) -> LoadBalanceStats:
         if not isinstance(other, LoadBalanceStats):
@@ -233,9 +252,21 @@ class LoadBalanceStats:
         tokens_E, probs_E, rows = self.tokens_E, self.probs_E, self.rows
         if self.pool is not None:
             # Counts and rows need no gradient; the probability sums' gradient flows back to every rank's own.
-            pooled = self.pool(torch.cat([tokens_E, probs_E, probs_E.new_full((1,), float(rows))]))
+            rows_1 = rows.reshape(1).to(probs_E) if torch.is_tensor(rows) else probs_E.new_full((1,), float(rows))
+            pooled = self.pool(torch.cat([tokens_E, probs_E, rows_1]))
             tokens_E, probs_E, rows = pooled[:num_experts], pooled[num_experts:-1], pooled[-1]
         return self.coef * num_experts * ((tokens_E / rows) * (probs_E / rows)).sum()
+
+
+def _token_weights(token_mask: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """fp32 ``[T]`` 0/1 weights of a token mask over ``num_tokens`` routed rows (any shape with that many entries)."""
+    if token_mask.numel() != num_tokens:
+        raise ValueError(
+            f"token_mask has {token_mask.numel()} entries ({tuple(token_mask.shape)}) but the MoE routes {num_tokens} "
+            "tokens: pass the mask of exactly the MoE's input tokens (under tensor parallel the MoE's sharding_config "
+            "cuts it to the rank's sequence shard like the input)"
+        )
+    return token_mask.reshape(-1).to(torch.float32)
 
 
 def load_balancing_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor) -> torch.Tensor:
@@ -255,6 +286,12 @@ class GroupedExperts(Module):
     ``forward(x_SD, num_tokens_per_expert_E) -> y_SD`` on rows already sorted by expert, one grouped
     matmul per projection. Under expert parallel the parameters are DTensors sharded on dim 0 and the
     forward runs on the local experts (``num_tokens_per_expert_E`` then counts local experts).
+
+    With ``lora`` (``models/common/lora.py``) each fused weight gets an adapter stack: ``gate_up_proj_lora_A
+    [A, R, D]``, ``gate_up_proj_lora_B [A, 2F, R]``, ``down_proj_lora_A [A, R, F]``, ``down_proj_lora_B [A, D, R]``,
+    ``A = E`` (one adapter per expert, sharded with the experts under EP) or 1 (``share_experts``). Each adds
+    ``scale * (x A_e^T) B_e^T`` through the same grouped matmul as the base (a stack of 1: a plain matmul over
+    every row); gate and up share one ``A`` over the fused weight. No dropout (PEFT allows none here).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -266,24 +303,73 @@ class GroupedExperts(Module):
         when dtype/device/alignment allow it)."""
         param_init: ParamInit.Config | None = field(default_factory=NormalInit.Config)
         """Initialiser of ``gate_up_proj`` and ``down_proj`` (HF: normal(0, 0.02))."""
+        lora: LoRA.Config | None = None
+        """LoRA adapters on both fused weights (set by ``apply_lora`` from ``--lora.*``); None: none."""
 
     def __init__(self, config: Config, *, dim: int, num_experts: int, dtype: torch.dtype | None = None) -> None:
         super().__init__(config)
         self.dim, self.num_experts = dim, num_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * config.hidden_dim, dim, dtype=dtype))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, config.hidden_dim, dtype=dtype))
+        hidden = config.hidden_dim
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden, dtype=dtype))
+        lora = config.lora
+        if lora is not None:
+            if lora.dropout:
+                raise ValueError(
+                    f"GroupedExperts.Config.lora.dropout={lora.dropout}: the routed experts' adapters take no "
+                    "dropout (PEFT refuses it on target_parameters); set it to 0 for the experts"
+                )
+            stacks, rank = 1 if lora.share_experts else num_experts, lora.rank
+            self.gate_up_proj_lora_A = nn.Parameter(torch.empty(stacks, rank, dim, dtype=dtype))
+            self.gate_up_proj_lora_B = nn.Parameter(torch.empty(stacks, 2 * hidden, rank, dtype=dtype))
+            self.down_proj_lora_A = nn.Parameter(torch.empty(stacks, rank, hidden, dtype=dtype))
+            self.down_proj_lora_B = nn.Parameter(torch.empty(stacks, dim, rank, dtype=dtype))
 
     def forward(self, x_SD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         impl = self.config.grouped_mm_impl
         # expert parallel shards experts on dim 0: compute on this rank's experts
         w_gate_up_E2FD, w_down_EDF = local_shard(self.gate_up_proj), local_shard(self.down_proj)
         # HF casts the input to the expert dtype (autocast does not cover grouped_mm).
-        h_S2F = grouped_linear(x_SD.to(w_gate_up_E2FD.dtype), w_gate_up_E2FD, num_tokens_per_expert_E, impl)
+        x_SD = x_SD.to(w_gate_up_E2FD.dtype)
+        h_S2F = grouped_linear(x_SD, w_gate_up_E2FD, num_tokens_per_expert_E, impl)
+        if self.config.lora is not None:
+            h_S2F = h_S2F + self._lora(x_SD, "gate_up_proj", num_tokens_per_expert_E)
         gate_SF, up_SF = h_S2F.chunk(2, dim=-1)
-        return grouped_linear(F.silu(gate_SF) * up_SF, w_down_EDF, num_tokens_per_expert_E, impl)
+        act_SF = F.silu(gate_SF) * up_SF
+        y_SD = grouped_linear(act_SF, w_down_EDF, num_tokens_per_expert_E, impl)
+        if self.config.lora is not None:
+            y_SD = y_SD + self._lora(act_SF, "down_proj", num_tokens_per_expert_E)
+        return y_SD
+
+    def _lora(self, x_SI: torch.Tensor, weight: str, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        """``scale * (x A_e^T) B_e^T`` of ``weight``'s adapter stack, each row with its expert's pair (``[S, O]``)."""
+        lora, impl = self.config.lora, self.config.grouped_mm_impl
+        a_ARI = local_shard(getattr(self, f"{weight}_lora_A"))
+        b_AOR = local_shard(getattr(self, f"{weight}_lora_B"))
+        if lora.share_experts:  # one pair for every expert: plain matmuls over all rows
+            t_SR = F.linear(x_SI, a_ARI[0])
+            return lora.scale * F.linear(t_SR, b_AOR[0])
+        t_SR = grouped_linear(x_SI, a_ARI, num_tokens_per_expert_E, impl)
+        return lora.scale * grouped_linear(t_SR, b_AOR, num_tokens_per_expert_E, impl)
+
+    @torch.no_grad()
+    def init_own_weights(self) -> None:
+        # The base first (param_init on both fused weights), then the adapters as PEFT: A kaiming-uniform, B 0.
+        init = self.config.param_init.build() if self.config.param_init is not None else None
+        if init is not None:
+            init(self.gate_up_proj)
+            init(self.down_proj)
+        if self.config.lora is not None:
+            for weight in ("gate_up_proj", "down_proj"):
+                init_lora_A_(getattr(self, f"{weight}_lora_A"))
+                getattr(self, f"{weight}_lora_B").zero_()
 
     def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, dim={self.dim}, hidden_dim={self.config.hidden_dim}"
+        out = f"num_experts={self.num_experts}, dim={self.dim}, hidden_dim={self.config.hidden_dim}"
+        lora = self.config.lora
+        if lora is not None:
+            out += f", lora_rank={lora.rank}, lora_scale={lora.scale:g}, lora_share_experts={lora.share_experts}"
+        return out
 
 
 class MoE(Module):
@@ -298,7 +384,9 @@ class MoE(Module):
     router statistics in ``aux_loss`` (a :class:`LoadBalanceStats`; the block pops it and the decoder
     pools all layers into one loss, as HF does). When the layout splits a forward's rows over ranks, the
     parallelize path calls ``set_token_split(pool)`` and the statistics are summed over them before the
-    product (``LoadBalanceStats.pool``).
+    product (``LoadBalanceStats.pool``). ``forward(x, token_mask=)``: positions where the mask is False (the
+    batch's padding run) are routed like any token but count neither in the aux-loss statistics nor in
+    ``tokens_per_expert``.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -336,15 +424,18 @@ class MoE(Module):
         self.dispatcher = LocalTokenDispatcher(num_experts)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., D]`` -> ``[..., D]``; ``token_mask`` (bool, ``x.shape[:-1]``): False where a position is padding,
+        left out of the router statistics (the routing itself is the same)."""
         x_TD = x.reshape(-1, x.shape[-1])
         topk_idx_TK, topk_w_TK, scores_TE = self.gate(x_TD)
         if self.config.router_aux_loss_coef > 0:
             # Sums, not a loss: HF pools the router statistics of all layers before the product.
             self.aux_loss = LoadBalanceStats.from_router(
-                scores_TE, topk_idx_TK, coef=self.config.router_aux_loss_coef, pool=self.token_split
-            )
-        self._record_load(topk_idx_TK)
+                scores_TE, topk_idx_TK, coef=self.config.router_aux_loss_coef, pool=self.token_split,
+                token_mask=token_mask,
+            )  # fmt: skip
+        self._record_load(topk_idx_TK, token_mask)
         x_SD, num_tokens_per_expert_E, state = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_w_TK)
         y_SD = self.experts(x_SD, num_tokens_per_expert_E)
         out_TD = self.dispatcher.combine(y_SD, state)
@@ -362,13 +453,19 @@ class MoE(Module):
         self.token_split = pool
 
     @torch.no_grad()
-    def _record_load(self, topk_idx_TK: torch.Tensor) -> None:
+    def _record_load(self, topk_idx_TK: torch.Tensor, token_mask: torch.Tensor | None = None) -> None:
         # Activation checkpointing re-runs this forward inside backward (a graph task is then
         # running): count each token once. The check is a graph break under torch.compile, so
         # compiled code always counts; with AC every token is then counted exactly twice, which
         # leaves load fractions and the sign-based bias update unchanged.
         if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
-            self.tokens_per_expert += count_tokens_per_expert(topk_idx_TK, self.config.num_experts)
+            num_experts = self.config.num_experts
+            if token_mask is None:
+                self.tokens_per_expert += count_tokens_per_expert(topk_idx_TK, num_experts)
+                return
+            keep_S = _token_weights(token_mask, topk_idx_TK.shape[0]).to(torch.int64)
+            keep_S = keep_S.repeat_interleave(topk_idx_TK.shape[-1])
+            self.tokens_per_expert.scatter_add_(0, topk_idx_TK.reshape(-1), keep_S)
 
     @torch.no_grad()
     def pop_tokens_per_expert(self) -> torch.Tensor:

@@ -23,8 +23,18 @@ Tensor parallel (axis ``tp``; ``residual`` is ``Shard(1)`` with sequence paralle
 - MoE: router and routed experts are not tensor-parallel: the MoE runs on the rank's sequence chunk
   (tokens split over ``tp`` like data); the shared expert is a TP MLP over the flattened local tokens.
 - head: column-wise; with loss parallel its output stays a vocab-sharded DTensor for the loss.
+- LoRA adapters (``Linear.Config.lora``: ``y = x W^T + s (x A^T) B^T``, ``A [r, in]``, ``B [out, r]``) follow
+  their base: a column-wise base shards ``lora_B`` ``Shard(0)`` (its output rows) with ``lora_A`` replicated; a
+  row-wise base shards ``lora_A`` ``Shard(1)`` (its input columns) with ``lora_B`` replicated, so ``x A^T`` is a
+  partial sum reduced with the base's output. No adapter half is ever gathered. The replicated halves are
+  DTensors of their Linear: DTensor autograd makes their gradients ``Partial`` over ``tp`` and FSDP completes
+  them (``_fsdp_param._get_grad_inner_tensor`` redistributes to ``Replicate``); an adapter of a plain Linear
+  inside a region (MLA's ``q_a_proj``) is a plain parameter of a ``tp``-reduced unit, like its base.
 
-Expert parallel (axis ``ep``): routed experts ``Shard(0)`` (whole experts per rank).
+Expert parallel (axis ``ep``): routed experts ``Shard(0)`` (whole experts per rank); their adapter stacks
+(``[E, r, D]`` ...) too, so each rank holds its experts' adapters. One adapter shared by every expert
+(``LoRA.Config.share_experts``, ``E' = 1``) is replicated over ``ep``: each rank's gradient covers the tokens
+its experts received, so it is read locally with a ``Partial`` gradient (``local_shard``) and FSDP sums it.
 """
 
 from __future__ import annotations
@@ -45,11 +55,13 @@ from hyper_parallel.models.common.mixer import TokenMixer
 from hyper_parallel.models.common.mla import MLAttention
 from hyper_parallel.models.common.moe import MoE
 from hyper_parallel.protocols.module import Module
-from hyper_parallel.protocols.sharding import LocalMapConfig, MeshAxisName, ShardingConfig
+from hyper_parallel.protocols.sharding import LocalMapConfig, MeshAxisName, NamedPlacement, ShardingConfig
 
 __all__ = [
+    "EXPERT_LORA_PARAMS",
     "colwise_config",
     "embedding_config",
+    "expert_parallel_params",
     "lm_head_config",
     "norm_config",
     "region_config",
@@ -77,6 +89,25 @@ def _partial_input_grad() -> LocalMapConfig:
     return LocalMapConfig(in_grad_placements=({TP: Partial()},))
 
 
+def _has_lora(config: Any) -> bool:
+    """Whether a ``Linear``/``GroupedExperts`` config carries a LoRA adapter (``lora`` field set)."""
+    return getattr(config, "lora", None) is not None
+
+
+EXPERT_LORA_PARAMS = ("gate_up_proj_lora_A", "gate_up_proj_lora_B", "down_proj_lora_A", "down_proj_lora_B")
+"""The adapter stacks of ``GroupedExperts`` (``[E', r, D]``, ``[E', 2F, r]``, ``[E', r, F]``, ``[E', D, r]``)."""
+
+
+def expert_parallel_params(experts: Any) -> dict[str, NamedPlacement]:
+    """Expert-parallel placements of a ``GroupedExperts`` config's parameters: the experts and their adapter
+    stacks ``Shard(0)`` on ``ep``; adapters shared by every expert (``share_experts``) replicated."""
+    params: dict[str, NamedPlacement] = {"gate_up_proj": {EP: Shard(0)}, "down_proj": {EP: Shard(0)}}
+    if _has_lora(experts):
+        per_expert = not experts.lora.share_experts
+        params |= {name: {EP: Shard(0) if per_expert else Replicate()} for name in EXPERT_LORA_PARAMS}
+    return params
+
+
 # ---------------------------------------------------------------------------------------------------------
 # ShardingConfig builders
 # ---------------------------------------------------------------------------------------------------------
@@ -92,6 +123,8 @@ def colwise_config(
     gradient is handed back unreduced (``Partial``) for the region's entry to reduce once.
     """
     params = {"weight": {TP: Shard(0)}} | ({"bias": {TP: Shard(0)}} if linear.bias else {})
+    if _has_lora(linear):  # the adapter's output rows follow the base's: B sharded, A whole
+        params |= {"lora_A": {TP: Replicate()}, "lora_B": {TP: Shard(0)}}
     return ShardingConfig(
         params=params,
         inputs={"x": {TP: input_placement if input_placement is not None else Replicate()}},
@@ -105,6 +138,8 @@ def rowwise_config(linear: Linear.Config, *, output_placement: Placement) -> Sha
     """Row-wise ``Linear``: weight ``Shard(1)`` (bias replicated), input ``Shard(-1)``, partial output reduced
     to ``output_placement`` (``Replicate``: all-reduce; ``Shard(1)``/``Shard(0)``: reduce-scatter)."""
     params = {"weight": {TP: Shard(1)}} | ({"bias": {TP: Replicate()}} if linear.bias else {})
+    if _has_lora(linear):  # the adapter reads the base's input columns: A sharded, x A^T partial like x W^T
+        params |= {"lora_A": {TP: Shard(1)}, "lora_B": {TP: Replicate()}}
     return ShardingConfig(
         params=params,
         inputs={"x": {TP: Shard(-1)}},
@@ -258,23 +293,26 @@ def set_dense_ffn_sharding(ffn: FeedForward.Config, *, token_placement: Placemen
 def set_moe_sharding(moe: MoE.Config, *, enable_sp: bool, ep_degree: int) -> MoE.Config:
     """MoE on the rank's sequence chunk (not tensor-parallel; without SP it slices its input and gathers its
     output), shared expert a TP MLP over the flattened local tokens, routed experts ``Shard(0)`` on ``ep``
-    when ``ep_degree > 1``."""
+    when ``ep_degree > 1``. The ``token_mask`` (the decoder hands it whole, ``[B, T]``) is cut to the same
+    sequence chunk."""
     changes: dict[str, Any] = {}
+    # the padding mask of this rank's chunk: the router statistics leave padding out
+    mask_in, mask_want = {"token_mask": {TP: Replicate()}}, {"token_mask": {TP: Shard(1)}}
     if not enable_sp:
         # Route this rank's sequence chunk only (SP already hands the MoE a chunk).
         changes["sharding_config"] = ShardingConfig(
-            inputs={"x": {TP: Replicate()}},
-            desired_inputs={"x": {TP: Shard(1)}},
+            inputs={"x": {TP: Replicate()}, **mask_in},
+            desired_inputs={"x": {TP: Shard(1)}, **mask_want},
             outputs={TP: Shard(1)},
             desired_outputs={TP: Replicate()},
         )
+    else:
+        changes["sharding_config"] = ShardingConfig(inputs=mask_in, desired_inputs=mask_want)
     if moe.shared_experts is not None:
         # MoE.forward hands the shared expert the flattened local tokens [T_local, D].
         changes["shared_experts"] = set_dense_ffn_sharding(moe.shared_experts, token_placement=Shard(0))
     if ep_degree > 1:
-        changes["experts"] = _with(
-            moe.experts, ShardingConfig(params={"gate_up_proj": {EP: Shard(0)}, "down_proj": {EP: Shard(0)}})
-        )
+        changes["experts"] = _with(moe.experts, ShardingConfig(params=expert_parallel_params(moe.experts)))
     return dataclasses.replace(moe, **changes)
 
 

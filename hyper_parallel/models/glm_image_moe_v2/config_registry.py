@@ -5,13 +5,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from hyper_parallel.components import CheckpointManager, LRSchedulersContainer, MetricsProcessor, OptimizersContainer
 from hyper_parallel.config import ActivationCheckpointConfig, ParallelismConfig, TrainingConfig
+from hyper_parallel.config.lora import LoRAConfig
 from hyper_parallel.data import TokenDataLoader
 from hyper_parallel.models.glm_image_moe_v2.model import glm_image_moe_config, glm_with_mtp
 from hyper_parallel.trainer import Trainer
 
-__all__ = ["glm_image_moe_a3b", "glm_image_moe_a3b_ep8", "glm_image_moe_debug", "glm_image_moe_mtp_debug"]
+__all__ = [
+    "glm_image_moe_a3b", "glm_image_moe_a3b_ep8", "glm_image_moe_a3b_lora", "glm_image_moe_debug",
+    "glm_image_moe_lora_debug", "glm_image_moe_mtp_debug",
+]  # fmt: skip
+
+# MLA's projections, the dense and shared MLPs and the routed experts (per expert): what GLM LoRA users target
+_GLM_LORA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+                     "down_proj", "experts")  # fmt: skip
 
 
 def glm_image_moe_debug() -> Trainer.Config:
@@ -40,6 +50,16 @@ def glm_image_moe_mtp_debug() -> Trainer.Config:
     ``MTP_LOSS_WEIGHT``; ``--model.mtp_loss_weight``): the MTP head also predicts image codes two ahead."""
     cfg = glm_image_moe_debug()
     cfg.model = glm_with_mtp(cfg.model)
+    return cfg
+
+
+def glm_image_moe_lora_debug() -> Trainer.Config:
+    """``glm_image_moe_debug`` as a LoRA run (rank 8): adapters on MLA's projections, the MLPs and every routed
+    expert, the VQ-to-LLM projection trained in full (``modules_to_save``), everything else frozen; 10 steps."""
+    cfg = glm_image_moe_debug()
+    cfg.lora = LoRAConfig(rank=8, alpha=16.0, targets=_GLM_LORA_TARGETS, modules_to_save=("vq_to_llm_proj",))
+    cfg.training.steps = 10
+    cfg.lr_scheduler.warmup_steps = 2
     return cfg
 
 
@@ -72,6 +92,28 @@ def glm_image_moe_a3b() -> Trainer.Config:
         checkpoint=CheckpointManager.Config(enable=True, interval=500, keep_latest_k=3, async_mode="async"),
         metrics=MetricsProcessor.Config(log_freq=10),
     )
+
+
+def glm_image_moe_a3b_lora() -> Trainer.Config:
+    """``glm_image_moe_a3b`` as a LoRA run on 2 x 80 GiB or 4 x 40 GiB (FSDP over the ranks launched).
+
+    Rank-16 adapters (alpha 32) on MLA's projections, the dense and shared MLPs and each of the 64 routed experts per
+    layer: 439.5M trained parameters, plus ``vq_to_llm_proj`` in full (4.2M); the recipe's nextn (MTP) layer off
+    (a run from the release folder follows the folder's, frozen, unless ``--model.use_mtp false``). The frozen base
+    is stored once in bf16 (routers fp32), FSDP-sharded, with no gradient or optimizer state. Dry run (``python -m
+    hyper_parallel.dry_run --module glm_image_moe --config glm_image_moe_a3b_lora --world_size N
+    --device_memory_gib G``), GiB per rank:
+
+        ranks x GiB   params  grads  optim  static  peak
+        2 x 80         28.88   0.83   1.65   31.35  40.08
+        4 x 40         14.50   0.41   0.83   15.74  24.47
+    """
+    cfg = glm_image_moe_a3b()
+    cfg.model = dataclasses.replace(cfg.model, use_mtp=False)  # frozen, unadapted: the release's block passes through
+    cfg.lora = LoRAConfig(rank=16, alpha=32.0, targets=_GLM_LORA_TARGETS, modules_to_save=("vq_to_llm_proj",))
+    cfg.optimizer.lr, cfg.optimizer.weight_decay = 1e-4, 0.0
+    cfg.lr_scheduler.warmup_steps = 50
+    return cfg
 
 
 def glm_image_moe_a3b_ep8() -> Trainer.Config:

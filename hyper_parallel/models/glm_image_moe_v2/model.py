@@ -232,8 +232,10 @@ class GlmImageMoeModel(Decoder):
         mtp_input_ids: torch.Tensor | None = None,
         mtp_visual_indices: torch.Tensor | None = None,
         mtp_vq_codes: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | ModelOutput:
-        """``[B, T]`` ids (+ image codes) -> logits ``[B, T, vocab_size + codebook_size]``.
+        """``[B, T]`` ids (+ image codes) -> logits ``[B, T, vocab_size + codebook_size]``. ``token_mask``: the
+        batch's (False on padding, left out of the MoE router statistics; ``Decoder.forward``).
 
         With an MTP block and ``mtp_input_ids``: ``ModelOutput(logits, aux_loss, mtp_logits)``, the MTP head
         predicting token ``t + 2`` over the same joint text + image-code vocabulary (``Decoder``).
@@ -252,6 +254,7 @@ class GlmImageMoeModel(Decoder):
             max_seqlen=max_seqlen,
             cu_seqlens_host=cu_seqlens_host,
             mtp_embeds=mtp_embeds,
+            token_mask=token_mask,
         )
 
     def get_nparams_and_flops(self, seq_len: int) -> tuple[int, float]:

@@ -5,11 +5,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from hyper_parallel.config.lora import LoRAConfig
 from hyper_parallel.models.qwen3_5_moe_v2.model import qwen3_5_moe_config
 from hyper_parallel.models.qwen3_5_v2.trainer_config import qwen3_5_text_trainer
 from hyper_parallel.trainer import Trainer
 
-__all__ = ["qwen3_5_moe_a3b", "qwen3_5_moe_a3b_128k", "qwen3_5_moe_a3b_256k", "qwen3_5_moe_a3b_ep8", "qwen3_5_moe_debug", "qwen3_5_moe_sft_debug"]
+__all__ = [
+    "qwen3_5_moe_a3b", "qwen3_5_moe_a3b_128k", "qwen3_5_moe_a3b_256k", "qwen3_5_moe_a3b_ep8", "qwen3_5_moe_a3b_lora",
+    "qwen3_5_moe_debug", "qwen3_5_moe_lora_debug", "qwen3_5_moe_sft_debug",
+]  # fmt: skip
 
 
 def qwen3_5_moe_debug() -> Trainer.Config:
@@ -22,6 +28,19 @@ def qwen3_5_moe_debug() -> Trainer.Config:
         router_aux_loss_coef=0.001, max_position_embeddings=4096,
     )  # fmt: skip
     return qwen3_5_text_trainer("qwen3_5_moe", model, debug=True)
+
+
+def qwen3_5_moe_lora_debug() -> Trainer.Config:
+    """``qwen3_5_moe_debug`` as a LoRA run (rank 8): adapters on every Gated DeltaNet and attention projection, the
+    shared expert and every routed expert (per expert, through the grouped matmul), everything else frozen; 10
+    steps."""
+    cfg = qwen3_5_moe_debug()
+    targets = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
+               "shared_expert", "experts")  # fmt: skip
+    cfg.lora = LoRAConfig(rank=8, alpha=16.0, targets=targets)
+    cfg.training.steps = 10
+    cfg.lr_scheduler.warmup_steps = 2
+    return cfg
 
 
 def qwen3_5_moe_sft_debug() -> Trainer.Config:
@@ -69,6 +88,30 @@ def qwen3_5_moe_a3b() -> Trainer.Config:
     cfg.parallelism.context_parallel_degree = 2
     cfg.activation_checkpoint.mode = "full"
     cfg.training.mixed_precision_reduce = "bfloat16"
+    return cfg
+
+
+def qwen3_5_moe_a3b_lora() -> Trainer.Config:
+    """``qwen3_5_moe_a3b`` as a LoRA run on 2 x 80 GiB or 4 x 40 GiB (FSDP over the ranks launched).
+
+    Rank-16 adapters (alpha 32) on every linear projection (Gated DeltaNet, gated attention, shared expert) and on
+    each of the 256 routed experts per layer: 943.9M trained parameters, 2.7% of the model; the recipe's MTP block
+    off (no adapter form can name it; a run from the release folder follows the folder's block, frozen, unless
+    ``--model.use_mtp false``: 20.06 GiB static per rank on 4 x 40 GiB with it). The frozen base is stored once in
+    bf16 (routers fp32), FSDP-sharded, with no gradient or optimizer state, so 8192-token sequences fit whole on a
+    rank (no context parallel) with every layer recomputed. Dry run (``python -m hyper_parallel.dry_run --module qwen3_5_moe --config qwen3_5_moe_a3b_lora
+    --world_size N --device_memory_gib G``), GiB per rank:
+
+        ranks x GiB   params  grads  optim  static  peak
+        2 x 80         34.06   1.76   3.52   39.33  49.31
+        4 x 40         17.03   0.88   1.76   19.67  30.52
+    """
+    cfg = qwen3_5_moe_a3b()
+    cfg.model = dataclasses.replace(cfg.model, use_mtp=False)  # frozen, unadapted: the release's block passes through
+    cfg.lora = LoRAConfig(rank=16, alpha=32.0, targets=("all-linear", "experts"))
+    cfg.parallelism.context_parallel_degree = 1  # 8192-token sequences fit whole on one rank
+    cfg.optimizer.lr, cfg.optimizer.weight_decay = 1e-4, 0.0
+    cfg.lr_scheduler.warmup_steps = 50
     return cfg
 
 

@@ -5,11 +5,16 @@
 
 from __future__ import annotations
 
+from hyper_parallel.config.lora import LoRAConfig
 from hyper_parallel.models.qwen3_5_v2.model import qwen3_5_config
 from hyper_parallel.models.qwen3_5_v2.trainer_config import qwen3_5_text_trainer
 from hyper_parallel.trainer import Trainer
 
-__all__ = ["qwen3_5_4b", "qwen3_5_debug", "qwen3_5_mtp_debug"]
+__all__ = ["qwen3_5_4b", "qwen3_5_debug", "qwen3_5_lora_debug", "qwen3_5_mtp_debug"]
+
+_QWEN3_5_LORA_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "k_proj", "v_proj",
+                        "o_proj", "gate_proj", "up_proj", "down_proj")  # fmt: skip
+"""Every projection of a Qwen3.5 layer by its HF name: Gated DeltaNet's five, gated attention's four, the MLP's."""
 
 
 def qwen3_5_debug(*, mtp_num_hidden_layers: int = 0) -> Trainer.Config:
@@ -26,6 +31,16 @@ def qwen3_5_debug(*, mtp_num_hidden_layers: int = 0) -> Trainer.Config:
 def qwen3_5_mtp_debug() -> Trainer.Config:
     """``qwen3_5_debug`` with the MTP block on (``mtp.*``, loss weight 0.1; ``--model.mtp_loss_weight``)."""
     return qwen3_5_debug(mtp_num_hidden_layers=1)
+
+
+def qwen3_5_lora_debug() -> Trainer.Config:
+    """``qwen3_5_debug`` as a LoRA run (rank 8): adapters on every Gated DeltaNet, attention and MLP projection,
+    everything else frozen; 10 steps."""
+    cfg = qwen3_5_debug()
+    cfg.lora = LoRAConfig(rank=8, alpha=16.0, targets=_QWEN3_5_LORA_TARGETS)
+    cfg.training.steps = 10
+    cfg.lr_scheduler.warmup_steps = 2
+    return cfg
 
 
 def qwen3_5_4b() -> Trainer.Config:

@@ -1,7 +1,7 @@
-"""Qwen3-VL-MoE, Qwen3.5-MoE and Qwen3.5 (dense) vision-language models (v2 model package).
+"""Qwen3-VL-MoE, Qwen3-VL (dense), Qwen3.5-MoE and Qwen3.5 (dense) vision-language models (v2 model package).
 
 Registers the ``qwen3_vl_moe`` spec (alias ``qwen3_vl_moe_v2``; data source ``vision_language``) and offers
-HF I/O: ``from_pretrained(path)`` reads a ``Qwen3VLMoeForConditionalGeneration``,
+HF I/O: ``from_pretrained(path)`` reads a ``Qwen3VLMoeForConditionalGeneration``, ``Qwen3VLForConditionalGeneration``,
 ``Qwen3_5MoeForConditionalGeneration`` or ``Qwen3_5ForConditionalGeneration`` folder (the text decoder is
 picked by its ``model_type``; ``mtp=True``: the Qwen3.5(-MoE) MTP block on, its ``mtp.*`` keys
 loaded into it; without it they are kept and written back); ``save_pretrained(model, path)`` writes it back
@@ -19,6 +19,7 @@ from hyper_parallel.models.qwen3_vl_moe_v2.model import (
     Qwen3VlMoeModel,
     qwen3_5_moe_vl_config,
     qwen3_5_vl_config,
+    qwen3_vl_config,
     qwen3_vl_moe_config,
 )
 from hyper_parallel.models.qwen3_vl_moe_v2.state_dict import (
@@ -38,6 +39,7 @@ __all__ = [
     "from_pretrained",
     "qwen3_5_moe_vl_config",
     "qwen3_5_vl_config",
+    "qwen3_vl_config",
     "qwen3_vl_moe_config",
     "save_pretrained",
 ]

@@ -7,19 +7,23 @@ from __future__ import annotations
 
 from hyper_parallel.components import CheckpointManager, LRSchedulersContainer, MetricsProcessor, OptimizersContainer
 from hyper_parallel.config import ActivationCheckpointConfig, ParallelismConfig, TrainingConfig
+from hyper_parallel.config.lora import LoRAConfig
 from hyper_parallel.data import VisionLanguageDataLoader
 from hyper_parallel.data.vision_language.preprocess import ImageProcessor
 from hyper_parallel.data.vision_language.video import VideoProcessor
 from hyper_parallel.models.qwen3_vl_moe_v2.model import (
     qwen3_5_moe_vl_config,
     qwen3_5_vl_config,
+    qwen3_vl_config,
     qwen3_vl_moe_config,
 )
 from hyper_parallel.trainer import Trainer
 
 __all__ = [
     "qwen3_5_moe_vl_debug", "qwen3_5_moe_vl_mtp_debug", "qwen3_5_vl_debug", "qwen3_vl_moe_a3b", "qwen3_vl_moe_a3b_ep8",
-    "qwen3_vl_moe_debug", "qwen3_vl_moe_sft_debug",
+    "qwen3_5_9b_vl", "qwen3_5_27b_vl",
+    "qwen3_vl_debug", "qwen3_vl_moe_a3b_lora", "qwen3_vl_moe_debug", "qwen3_vl_moe_lora_debug",
+    "qwen3_vl_moe_sft_debug",
 ]  # fmt: skip
 
 # The toy VL corpus uses the 512-id toy tokenizer; image / vision-start / vision-end ids 512..514.
@@ -54,6 +58,29 @@ def qwen3_vl_moe_debug() -> Trainer.Config:
         max_position_embeddings=4096, vision={**_TOY_VISION, "deepstack_visual_indexes": (0, 1)}, **_TOY_IDS,
     )  # fmt: skip
     return _debug_trainer(model, "qwen3_vl_moe")
+
+
+def qwen3_vl_debug() -> Trainer.Config:
+    """Tiny Qwen3-VL dense (``Qwen3VLForConditionalGeneration``: 3 Qwen3 text layers with dense SwiGLU MLPs,
+    2-block tower with deepstack after both blocks, tied embeddings as the 2B / 4B releases) on the toy VL
+    corpus (images and videos)."""
+    model = qwen3_vl_config(
+        vocab_size=520, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=96, rope_theta=5e6, mrope_section=(4, 2, 2), max_position_embeddings=4096,
+        vision={**_TOY_VISION, "deepstack_visual_indexes": (0, 1)}, tie_word_embeddings=True, **_TOY_IDS,
+    )  # fmt: skip
+    return _debug_trainer(model, "qwen3_vl_moe")
+
+
+def qwen3_vl_moe_lora_debug() -> Trainer.Config:
+    """``qwen3_vl_moe_debug`` as a LoRA run (rank 8): adapters on every linear projection (text attention and
+    dense MLP, the vision tower's blocks and mergers: ``all-linear``) and every routed expert, everything else
+    frozen; 10 steps."""
+    cfg = qwen3_vl_moe_debug()
+    cfg.lora = LoRAConfig(rank=8, alpha=16.0, targets=("all-linear", "experts"))
+    cfg.training.steps = 10
+    cfg.lr_scheduler.warmup_steps = 2
+    return cfg
 
 
 def qwen3_vl_moe_sft_debug() -> Trainer.Config:
@@ -128,8 +155,104 @@ def qwen3_vl_moe_a3b() -> Trainer.Config:
     )
 
 
+def qwen3_vl_moe_a3b_lora() -> Trainer.Config:
+    """``qwen3_vl_moe_a3b`` as a LoRA run on 2 x 80 GiB or 4 x 40 GiB (FSDP over the ranks launched): adapters on
+    the text model's attention and routed experts; the vision tower frozen.
+
+    Rank 16 (alpha 32) on q/k/v/o and each of the 128 routed experts per layer: 642.5M trained parameters. The frozen
+    base is stored once in bf16 (routers fp32), FSDP-sharded, with no gradient or optimizer state. Dry run (``python
+    -m hyper_parallel.dry_run --module qwen3_vl_moe --config qwen3_vl_moe_a3b_lora --world_size N
+    --device_memory_gib G``; text-only micro-batches), GiB per rank:
+
+        ranks x GiB   params  grads  optim  static  peak
+        2 x 80         30.15   1.20   2.39   33.74  40.49
+        4 x 40         15.07   0.60   1.20   16.87  24.22
+    """
+    cfg = qwen3_vl_moe_a3b()
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "experts")  # every text layer is MoE
+    cfg.lora = LoRAConfig(rank=16, alpha=32.0, targets=targets)
+    cfg.optimizer.lr, cfg.optimizer.weight_decay = 1e-4, 0.0
+    cfg.lr_scheduler.warmup_steps = 50
+    return cfg
+
+
 def qwen3_vl_moe_a3b_ep8() -> Trainer.Config:
     """``qwen3_vl_moe_a3b`` with the 128 routed experts spread over 8 expert-parallel ranks."""
     cfg = qwen3_vl_moe_a3b()
     cfg.parallelism.expert_parallel_degree = 8
     return cfg
+
+
+# ---- Qwen3.5 dense VL releases (Qwen3_5ForConditionalGeneration), sized for one 8 x 80 GiB node ------------
+
+# The Qwen3.5 tower (all dense releases): 27 blocks of width 1152, 16 heads, MLP 4304, patch 16, 48 x 48
+# positions, no deepstack; its ids are the Qwen3.5 tokenizer's (Qwen3_5Config defaults).
+_QWEN3_5_VISION = dict(depth=27, dim=1152, n_heads=16, intermediate_size=4304, patch_size=16, temporal_patch_size=2,
+                       spatial_merge_size=2, num_position_embeddings=2304)  # fmt: skip
+_QWEN3_5_IDS = dict(image_token_id=248056, video_token_id=248057, vision_start_token_id=248053,
+                    vision_end_token_id=248054)  # fmt: skip
+# micro-batch tokens and recomputation per release, from the dry run on 8 x 80 GiB (the recipes' docstrings)
+_SIZING_9B = dict(tokens_per_microbatch=16384, ac="full")  # dry-run peak 35.8 GiB of 80 (docstring)
+_SIZING_27B = dict(tokens_per_microbatch=8192, ac="full")  # dry-run peak 59.4 GiB of 80
+
+
+def _qwen3_5_dense_vl(*, tokens_per_microbatch: int, ac: str, **text) -> Trainer.Config:
+    """A Qwen3.5 dense VL release's trainer: bf16 FSDP over every rank, the tower FSDP-only (its own units),
+    ``tokens_per_microbatch`` packed tokens per micro-batch, activation checkpointing ``ac``. Start from the
+    release with ``--checkpoint.initial_load_path`` (its config.json is then the model, MTP block included)."""
+    model = qwen3_5_vl_config(
+        vocab_size=248320, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=(11, 11, 10), rms_norm_eps=1e-6,
+        max_position_embeddings=262144, vision=dict(_QWEN3_5_VISION), **_QWEN3_5_IDS, **text,
+    )  # fmt: skip
+    return Trainer.Config(
+        model_spec="qwen3_vl_moe",
+        model=model,
+        training=TrainingConfig(steps=10000, max_norm=1.0, mixed_precision_param="bfloat16"),
+        parallelism=ParallelismConfig(data_parallel_shard_degree=-1),
+        activation_checkpoint=ActivationCheckpointConfig(mode=ac),
+        data=VisionLanguageDataLoader.Config(max_tokens_per_microbatch=tokens_per_microbatch, global_batch_tokens=0,
+                                             num_workers=2),  # fmt: skip
+        optimizer=OptimizersContainer.Config(name="adamw", lr=1e-5, weight_decay=0.1),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=100, decay_type="cosine", min_lr_ratio=0.1),
+        checkpoint=CheckpointManager.Config(enable=True, interval=500, keep_latest_k=3, async_mode="async"),
+        metrics=MetricsProcessor.Config(log_freq=10),
+    )
+
+
+def qwen3_5_9b_vl() -> Trainer.Config:
+    """Qwen3.5-9B VL on one 8 x 80 GiB node: FSDP 8, bf16, 16384-token micro-batches, full recomputation.
+
+    Dry run (``python -m hyper_parallel.dry_run --module qwen3_vl_moe --config qwen3_5_9b_vl --world_size 8``), peak
+    GiB per rank: 35.8 (static 17.5: params 4.4, grads 4.4, AdamW 8.8); 8192 tokens 25.9, 32768 tokens 55.6; without
+    recomputation 139.4 at 8192 tokens (does not fit). The headroom is for the tower's images (the dry run's
+    micro-batches are text) and the allocator.
+
+    Text (transformers' ``Qwen3_5TextConfig`` defaults, "Qwen3.5-9B style", and a public description of the
+    release's config.json): hidden 4096, 32 layers (3 DeltaNet : 1 gated attention), 16 q / 4 kv heads of 256,
+    intermediate 12288, DeltaNet Hk 16 / Hv 32 of 128, rotary 0.25 with M-RoPE (11, 11, 10), theta 1e7, vocab
+    248320, untied. Tower: the Qwen3.5 one (out 4096).
+    """
+    return _qwen3_5_dense_vl(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, linear_num_key_heads=16,
+        linear_num_value_heads=32, intermediate_size=12288, tie_word_embeddings=False, **_SIZING_9B,
+    )  # fmt: skip
+
+
+def qwen3_5_27b_vl() -> Trainer.Config:
+    """Qwen3.5-27B VL on one 8 x 80 GiB node: FSDP 8, bf16, 8192-token micro-batches, full recomputation.
+
+    Dry run (``python -m hyper_parallel.dry_run --module qwen3_vl_moe --config qwen3_5_27b_vl --world_size 8``), peak
+    GiB per rank: 59.4 (static 51.0: params 12.7, grads 12.7, AdamW 25.5; the peak is at the end of the backward);
+    selective recomputation 238.9 (does not fit).
+
+    Dimensions of the release's config.json (tests/torch/ut/released_configs/qwen3_5_27b.json): hidden 5120,
+    64 layers (3 DeltaNet : 1 gated attention), 24 q / 4 kv heads of 256, intermediate 17408, DeltaNet Hk 16 /
+    Hv 48 of 128, rotary 0.25 with M-RoPE (11, 11, 10), theta 1e7, vocab 248320, untied. Tower: the Qwen3.5
+    one (out 5120).
+    """
+    return _qwen3_5_dense_vl(
+        hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, linear_num_key_heads=16,
+        linear_num_value_heads=48, intermediate_size=17408, tie_word_embeddings=False, **_SIZING_27B,
+    )  # fmt: skip
+

@@ -1,4 +1,4 @@
-"""Qwen3-VL-MoE, Qwen3.5-MoE and Qwen3.5 (dense) vision-language models: ``VisionTower`` + a text ``Decoder``.
+"""Qwen3-VL(-MoE) and Qwen3.5(-MoE) vision-language models: ``VisionTower`` + a text ``Decoder``.
 
 Legend: B batch, T tokens, D text hidden size, M merged visual tokens of the batch (all images).
 
@@ -7,11 +7,15 @@ Legend: B batch, T tokens, D text hidden size, M merged visual tokens of the bat
               h[image tokens] += deepstack[i]          for i < len(deepstack)   (Qwen3-VL only)
     logits         = lm_head(norm(h))
 
-One package, three text families (``text_family``; the layers' configs say which, nothing else is stored):
+One package, four text families (``text_family``; the layers' configs say which, nothing else is stored):
 
 - ``qwen3_vl_moe`` (HF ``Qwen3VLMoeForConditionalGeneration``): GQA with Llama-style q/k RMSNorm, full-rotary
   interleaved M-RoPE, softmax top-k router always renormalised, dense SwiGLU layers from ``mlp_only_layers``
   / ``decoder_sparse_step``, deepstack mergers in the tower.
+- ``qwen3_vl`` (HF ``Qwen3VLForConditionalGeneration``, the dense 2B-32B releases): the same layers with a
+  dense SwiGLU MLP in every one (Qwen3 text layers), the same tower with deepstack, tied embeddings for the
+  2B / 4B sizes. A tree with no MoE layer is this family, unless it was read from a ``qwen3_vl_moe`` folder
+  (``hf_extra``), which it is then written back as.
 - ``qwen3_5_moe`` (HF ``Qwen3_5MoeForConditionalGeneration``): the Qwen3.5-MoE hybrid stack (Gated DeltaNet
   / gated attention, zero-centred norms, shared expert), no deepstack.
 - ``qwen3_5`` (HF ``Qwen3_5ForConditionalGeneration``, the dense 0.8B-27B releases): the same hybrid stack
@@ -60,6 +64,7 @@ __all__ = [
     "TextFamily",
     "qwen3_5_moe_vl_config",
     "qwen3_5_vl_config",
+    "qwen3_vl_config",
     "qwen3_vl_moe_config",
     "text_family_of",
 ]
@@ -67,7 +72,7 @@ __all__ = [
 # MTP_LOSS_WEIGHT (0.1): the MTP block of the Qwen3.5-MoE VL model is the Qwen3.5-MoE one (qwen3_5_moe_vl_config);
 # Megatron-Bridge's Qwen3.5 VL bridge uses the same value (qwen_vl/qwen35_vl_bridge.py). Qwen3-VL-MoE has no MTP.
 
-TextFamily = Literal["qwen3_vl_moe", "qwen3_5_moe", "qwen3_5"]
+TextFamily = Literal["qwen3_vl_moe", "qwen3_vl", "qwen3_5_moe", "qwen3_5"]
 QWEN3_5_FAMILIES: tuple[TextFamily, ...] = ("qwen3_5_moe", "qwen3_5")
 """The text families whose layers are the Qwen3.5 hybrid stack (their HF text part is ``qwen3_5_v2``'s)."""
 
@@ -89,12 +94,15 @@ class _Embedded(NamedTuple):
 
 def text_family_of(config: Decoder.Config) -> TextFamily:
     """``qwen3_5_moe`` / ``qwen3_5`` when the layers are Qwen3.5 mixers (gated attention / Gated DeltaNet) with
-    MoE / dense MLPs, else ``qwen3_vl_moe`` (whose dense-only trees are Qwen3-VL-MoE with every layer in
-    ``mlp_only_layers``)."""
+    MoE / dense MLPs, else (GQA layers) ``qwen3_vl_moe`` / ``qwen3_vl`` with / without an MoE layer.
+
+    A ``Qwen3VlMoeModel.Config`` read from a ``qwen3_vl_moe`` folder whose layers are all dense (every layer in
+    ``mlp_only_layers``) stays ``qwen3_vl_moe``: see ``Qwen3VlMoeModel.Config.text_family``."""
+    moe = any(isinstance(layer.mlp, MoE.Config) for layer in config.layers)
     mixers = (GatedAttention.Config, GatedDeltaNet.Config)
     if not any(isinstance(layer.self_attn, mixers) for layer in config.layers):
-        return "qwen3_vl_moe"
-    return "qwen3_5_moe" if any(isinstance(layer.mlp, MoE.Config) for layer in config.layers) else "qwen3_5"
+        return "qwen3_vl_moe" if moe else "qwen3_vl"
+    return "qwen3_5_moe" if moe else "qwen3_5"
 
 
 class Qwen3VlMoeModel(Decoder):
@@ -125,8 +133,12 @@ class Qwen3VlMoeModel(Decoder):
 
         @property
         def text_family(self) -> TextFamily:
-            """Which HF text model the layers are (see the module docstring)."""
-            return text_family_of(self)
+            """Which HF text model the layers are (see the module docstring); an all-dense tree read from a
+            ``qwen3_vl_moe`` folder stays that folder's family (written back as it was read)."""
+            family = text_family_of(self)
+            if family == "qwen3_vl" and self.hf_extra.get("top", {}).get("model_type") == "qwen3_vl_moe":
+                return "qwen3_vl_moe"
+            return family
 
         def mtp_block(self) -> MTP.Config:
             """``use_mtp=True``: the Qwen3.5(-MoE) MTP block (``qwen3_5_with_mtp``); Qwen3-VL-MoE has none."""
@@ -362,8 +374,10 @@ class Qwen3VlMoeModel(Decoder):
         max_seqlen: int | None = None,
         cu_seqlens_host: Sequence[int] | None = None,
         mtp_input_ids: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | ModelOutput:
         """``[B, T]`` ids (+ ``pixel_values [N, P]``, ``image_grid_thw [n, 3]``) -> logits ``[B, T, vocab]``.
+        ``token_mask``: the batch's (False on padding, left out of the MoE router statistics; ``Decoder.forward``).
 
         ``position_ids``: ``[3, B, T]`` M-RoPE rows (or ``[B, T]``); None computes them from the grids.
         Returns ``ModelOutput(logits, aux_loss)`` when an MoE layer produced an auxiliary loss, and
@@ -378,7 +392,9 @@ class Qwen3VlMoeModel(Decoder):
             mtp_input_ids=mtp_input_ids if mtp else None,
         )  # fmt: skip
         B, T, D = h.shape
-        meta = AttentionMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_host=cu_seqlens_host)
+        meta = AttentionMeta(
+            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_host=cu_seqlens_host, token_mask=token_mask
+        )
         mtp_embeds = None
         if mtp:  # before the layers: h is still the trunk's input embedding
             mtp_embeds = self._embed_next_tokens_with_visuals(mtp_input_ids, h, after)
@@ -529,6 +545,15 @@ def qwen3_vl_moe_config(
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
         hf_extra=dict(hf_extra or {}),
+    )
+
+
+def qwen3_vl_config(*, intermediate_size: int, **kwargs: Any) -> Qwen3VlMoeModel.Config:
+    """The Qwen3-VL dense config tree (``Qwen3VLForConditionalGeneration``): ``qwen3_vl_moe_config`` with no
+    expert (a dense SwiGLU MLP of ``intermediate_size`` in every layer, Qwen3 text layers); the other kwargs
+    are ``qwen3_vl_moe_config``'s (give ``tie_word_embeddings=True`` for the 2B / 4B releases)."""
+    return qwen3_vl_moe_config(
+        intermediate_size=intermediate_size, num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, **kwargs
     )
 
 

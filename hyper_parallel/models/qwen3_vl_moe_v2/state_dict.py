@@ -1,4 +1,4 @@
-"""Qwen3-VL-MoE / Qwen3.5-MoE VL / Qwen3.5 VL <-> HF ``*ForConditionalGeneration`` folders (reference doc 1.10, 3.5).
+"""Qwen3-VL(-MoE) / Qwen3.5-MoE VL / Qwen3.5 VL <-> HF ``*ForConditionalGeneration`` folders (reference doc 1.10, 3.5).
 
 Ours (in memory)                          HF
   visual.*                                  model.visual.*   (``patch_embed.proj.weight``: ours [C, P], HF Conv3d)
@@ -13,6 +13,8 @@ Text layers, per family:
   (``experts_layout=``) - never by comparing shapes, which cannot tell them apart when ``H == 2I``.
   A folder is written back in the layout it was read in (``model.hf_experts_layout``), with a
   ``transformers_version`` that says so.
+- ``qwen3_vl`` (dense, ``Qwen3VLForConditionalGeneration``): the same names, a dense
+  ``mlp.gate_proj/up_proj/down_proj`` in every layer; a tied folder (2B / 4B) holds no ``lm_head.weight``.
 - ``qwen3_5_moe`` / ``qwen3_5`` (dense, ``Qwen3_5ForConditionalGeneration``): the Qwen3.5 mapping
   (``qwen3_5_v2.state_dict``): ``linear_attn`` / ``shared_expert`` names, per-expert keys (fused ones also
   read), per-expert keys written; the dense MLPs are ``mlp.gate_proj/up_proj/down_proj``; a tied folder
@@ -183,15 +185,25 @@ _VL_TEXT_DEFAULTS: dict[str, Any] = dict(
     decoder_sparse_step=1, rms_norm_eps=1e-6, attention_bias=False, initializer_range=0.02, pad_token_id=None,
     max_position_embeddings=128000,
 )  # fmt: skip
+# transformers' Qwen3VLTextConfig (dense) defaults (5.24): another size, head_dim 128 whatever the width.
+_VL_DENSE_TEXT_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=151936, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+    intermediate_size=22016, rms_norm_eps=1e-6, attention_bias=False, initializer_range=0.02, pad_token_id=None,
+    max_position_embeddings=128000,
+)  # fmt: skip
+_MOE_TEXT_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step")
 _VL_CONSUMED = set(_VL_TEXT_KEYS) | set(LEGACY_ROPE_KEYS) | {
     "num_key_value_heads", "head_dim", "mlp_only_layers", "model_type", "hidden_act", "attention_dropout",
     "router_aux_loss_coef", "output_router_logits", "tie_word_embeddings", "num_local_experts",
 }  # fmt: skip
-_DEEPSTACK_DEFAULT = {"qwen3_vl_moe": (8, 16, 24), "qwen3_5_moe": (), "qwen3_5": ()}  # vision_config classes' defaults
+# the vision_config classes' defaults
+_DEEPSTACK_DEFAULT = {"qwen3_vl_moe": (8, 16, 24), "qwen3_vl": (8, 16, 24), "qwen3_5_moe": (), "qwen3_5": ()}
 _IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 _ID_DEFAULTS = {
     "qwen3_vl_moe": dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
                          vision_end_token_id=151653),
+    "qwen3_vl": dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+                     vision_end_token_id=151653),  # Qwen3VLConfig's defaults (those of the MoE class)
     "qwen3_5_moe": dict(image_token_id=248056, video_token_id=248057, vision_start_token_id=248053,
                         vision_end_token_id=248054),
     "qwen3_5": dict(image_token_id=248056, video_token_id=248057, vision_start_token_id=248053,
@@ -216,9 +228,12 @@ def _vision_kwargs(vision: dict[str, Any], family: str) -> tuple[dict[str, Any],
     return kwargs, out
 
 
-def _vl_text_kwargs(text: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Builder kwargs and ``hf_extra`` entries of a Qwen3-VL-MoE ``text_config``."""
+def _vl_text_kwargs(text: dict[str, Any], family: str = "qwen3_vl_moe") -> tuple[dict[str, Any], dict[str, Any]]:
+    """Builder kwargs and ``hf_extra`` entries of a Qwen3-VL-MoE (``family`` ``qwen3_vl_moe``) or Qwen3-VL dense
+    (``qwen3_vl``: no expert, every layer a dense SwiGLU MLP) ``text_config``."""
     where = "text_config"
+    dense = family == "qwen3_vl"
+    defaults = _VL_DENSE_TEXT_DEFAULTS if dense else _VL_TEXT_DEFAULTS
     act = text.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{where}.hidden_act={act!r}: only silu is implemented")
@@ -229,19 +244,26 @@ def _vl_text_kwargs(text: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
         text = {**text, "num_experts": text["num_local_experts"]}
     kwargs: dict[str, Any] = {}
     for key in _VL_TEXT_KEYS:
-        value = text.get(key, _VL_TEXT_DEFAULTS[key])
-        if value is None and _VL_TEXT_DEFAULTS[key] is not None:
-            default = _VL_TEXT_DEFAULTS[key]
-            raise ValueError(f"{where}.{key} is null: give a value (transformers' default is {default!r})")
+        if dense and key in _MOE_TEXT_KEYS:
+            continue  # Qwen3VLTextConfig has no such field (a folder's value is kept as read)
+        value = text.get(key, defaults[key])
+        if value is None and defaults[key] is not None:
+            raise ValueError(f"{where}.{key} is null: give a value (transformers' default is {defaults[key]!r})")
         kwargs[key] = value
     heads = kwargs["num_attention_heads"]
-    kv = text.get("num_key_value_heads", _VL_TEXT_DEFAULTS["num_key_value_heads"])
+    kv = text.get("num_key_value_heads", defaults["num_key_value_heads"])
     kwargs["num_key_value_heads"] = heads if kv is None else kv  # HF __post_init__: null -> MHA
-    kwargs["head_dim"] = text.get("head_dim") or kwargs["hidden_size"] // heads
-    kwargs["mlp_only_layers"] = tuple(text.get("mlp_only_layers") or ())
-    kwargs["router_aux_loss_coef"] = (
-        float(text.get("router_aux_loss_coef", 0.001)) if text.get("output_router_logits") else 0.0
-    )
+    if dense:  # Qwen3VLTextConfig: head_dim an int field, 128 when absent (never hidden / heads)
+        if text.get("head_dim", 128) is None:
+            raise ValueError(f"{where}.head_dim is null: give a value (transformers' Qwen3VLTextConfig refuses null)")
+        kwargs.update(head_dim=text.get("head_dim", 128), num_experts=0, num_experts_per_tok=0,
+                      moe_intermediate_size=0, mlp_only_layers=(), router_aux_loss_coef=0.0)  # fmt: skip
+    else:
+        kwargs["head_dim"] = text.get("head_dim") or kwargs["hidden_size"] // heads
+        kwargs["mlp_only_layers"] = tuple(text.get("mlp_only_layers") or ())
+        kwargs["router_aux_loss_coef"] = (
+            float(text.get("router_aux_loss_coef", 0.001)) if text.get("output_router_logits") else 0.0
+        )
     rope = read_hf_rope(text, where=where, default_theta=500000.0, default_partial_rotary_factor=None)
     kwargs.update(
         rope_theta=rope.theta, partial_rotary_factor=rope.partial_rotary_factor,
@@ -259,7 +281,8 @@ def _vl_text_kwargs(text: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
 
 
 def config_from_hf(hf: dict[str, Any]) -> Qwen3VlMoeModel.Config:
-    """Our config from an HF ``config.json`` dict (``model_type`` ``qwen3_vl_moe``, ``qwen3_5_moe`` or ``qwen3_5``)."""
+    """Our config from an HF ``config.json`` dict (``model_type`` ``qwen3_vl_moe``, ``qwen3_vl``, ``qwen3_5_moe`` or
+    ``qwen3_5``)."""
     from hyper_parallel.models.qwen3_5_moe_v2.model import Qwen3_5MoeModel, Qwen3_5MoeTransformerBlock
     from hyper_parallel.models.qwen3_5_v2.hf_config import text_config_from_hf
     from hyper_parallel.models.qwen3_5_v2.model import Qwen3_5Model, Qwen3_5TransformerBlock
@@ -271,8 +294,8 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen3VlMoeModel.Config:
     if family not in _ID_DEFAULTS or "vision_config" not in hf:
         raise ValueError(
             f"config.json model_type={family!r}: expected a Qwen3VLMoeForConditionalGeneration ('qwen3_vl_moe'), "
-            "Qwen3_5MoeForConditionalGeneration ('qwen3_5_moe') or Qwen3_5ForConditionalGeneration ('qwen3_5') "
-            "folder with text_config and vision_config"
+            "Qwen3VLForConditionalGeneration ('qwen3_vl'), Qwen3_5MoeForConditionalGeneration ('qwen3_5_moe') or "
+            "Qwen3_5ForConditionalGeneration ('qwen3_5') folder with text_config and vision_config"
         )
     vision, out_dim = _vision_kwargs(dict(hf["vision_config"]), family)
     ids = {k: int(hf.get(k, _ID_DEFAULTS[family][k])) for k in _IDS}
@@ -289,8 +312,8 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen3VlMoeModel.Config:
             block_cls=Qwen3_5MoeTransformerBlock if moe else Qwen3_5TransformerBlock,
         )  # fmt: skip
         cfg = vl_config_from_text(t, vision=vision_tower_config(**vision), **ids, hf_extra={**t.hf_extra, "top": top})
-    else:
-        kwargs, extra = _vl_text_kwargs(text)
+    else:  # Qwen3-VL(-MoE): one builder, no expert for the dense family
+        kwargs, extra = _vl_text_kwargs(text, family)
         cfg = qwen3_vl_moe_config(
             **kwargs, vision=vision, **ids, tie_word_embeddings=tie, hf_extra={**extra, "top": top}
         )  # fmt: skip
@@ -341,6 +364,7 @@ def config_to_hf(cfg: Qwen3VlMoeModel.Config) -> dict[str, Any]:
         # the vision model_type as the folder spelled it (Qwen3.5 dense releases: "qwen3_5"), else the class's
         return {**top, **ids, "model_type": family, "text_config": text, "tie_word_embeddings": tie,
                 "vision_config": {"model_type": f"{family}_vision", **vision}}  # fmt: skip
+    family = cfg.text_family  # qwen3_vl_moe, or qwen3_vl (dense: no expert key, no sparse layout)
     attn = cfg.layers[0].self_attn
     moes = [layer.mlp for layer in cfg.layers if isinstance(layer.mlp, MoE.Config)]
     dense = [i for i, layer in enumerate(cfg.layers) if isinstance(layer.mlp, FeedForward.Config)]
@@ -355,7 +379,7 @@ def config_to_hf(cfg: Qwen3VlMoeModel.Config) -> dict[str, Any]:
         "attention_dropout": 0.0,
         # all-MoE: no dense MLP holds the size; the folder's value (it sizes nothing) or the class default
         "intermediate_size": ffn.hidden_dim if ffn is not None else read.get("intermediate_size", 5632),
-        **_sparse_layout(dense if moes else [], len(cfg.layers), read),
+        **(_sparse_layout(dense if moes else [], len(cfg.layers), read) if family == "qwen3_vl_moe" else {}),
         "initializer_range": cfg.lm_head.param_init.std if hasattr(cfg.lm_head.param_init, "std") else 0.02,
         "pad_token_id": cfg.embed_tokens.padding_idx, "max_position_embeddings": cfg.max_position_embeddings,
         **rope_to_hf(  # a whole-head rotation is what an absent partial_rotary_factor means here
@@ -364,8 +388,13 @@ def config_to_hf(cfg: Qwen3VlMoeModel.Config) -> dict[str, Any]:
             mrope_section=attn.rope.mrope_section, mrope_interleaved=extra.get("mrope_interleaved", True),
             form=extra.get("rope_form"),
         ),
-        "model_type": read.get("model_type", "qwen3_vl_moe_text"), "tie_word_embeddings": tie,
+        "model_type": read.get("model_type", f"{family}_text"), "tie_word_embeddings": tie,
     }  # fmt: skip
+    if family == "qwen3_vl":
+        top.setdefault("architectures", ["Qwen3VLForConditionalGeneration"])
+        # the vision model_type as the folder spelled it (the released files: "qwen3_vl"), else the class's
+        return {**top, **ids, "model_type": "qwen3_vl", "text_config": text,
+                "vision_config": {"model_type": "qwen3_vl_vision", **vision}, "tie_word_embeddings": tie}  # fmt: skip
     if "num_local_experts" in read:  # HF's attribute name, as the folder spelled it
         text["num_local_experts"] = moes[0].num_experts if moes else 0
     if moes:

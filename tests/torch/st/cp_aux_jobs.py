@@ -2,7 +2,8 @@
 on, ``router_aux_loss_coef`` 0.001) through the real ``Trainer`` for a few steps, deterministic, one warmup step.
 
 Each job runs one or more layouts in turn on the same ranks (one launch per world size) and returns, from rank 0,
-every step's loss and aux loss and every parameter's first-step gradient, whole (``grad_check.whole_grads``).
+every step's loss and aux loss, every parameter's first-step gradient, whole (``grad_check.whole_grads``), and how
+many padding tokens the layout's micro-batches held (the batch's ``token_mask``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,15 @@ def _run(flags: list[str], steps: int, dump: str, cache: str) -> dict[str, Any]:
     ])  # fmt: skip
     trainer = cfg.build()
     t1 = time.perf_counter()
-    out: dict[str, Any] = {"losses": [], "aux": [], "parallel_dims": str(trainer.parallel_dims)}
+    out: dict[str, Any] = {"losses": [], "aux": [], "parallel_dims": str(trainer.parallel_dims), "padding": 0}
+    next_step = trainer.data.next_step
+
+    def counting_next_step() -> list[dict[str, Any]]:  # the padding tokens this layout's rows carry
+        batches = next_step()
+        out["padding"] += sum(int((~mb["token_mask"]).sum()) if "token_mask" in mb else -1 for mb in batches)
+        return batches
+
+    trainer.data.next_step = counting_next_step
     try:
         while trainer.step < steps:  # Trainer.train's loop, with the first step's gradients kept
             trainer.step += 1

@@ -54,7 +54,7 @@ def test_dyn_bsz_steps_and_budget(corpus):
         for mb in step:
             t = mb["input_ids"].shape[1]
             assert t <= 256 and t % 8 == 0 and int(mb["cu_seqlens"][-1]) == t
-            assert set(mb) == {"input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_host", "max_seqlen",
+            assert set(mb) == {"input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_host", "max_seqlen", "token_mask",
                                "visual_indices", "vq_codes"}  # fmt: skip
     with pytest.raises(ValueError, match="global_batch_tokens=1000 must be a positive multiple"):
         _loader(corpus, global_batch_tokens=1000)
@@ -145,7 +145,7 @@ def test_dummy_source_is_layout_independent_and_resumable():
     ranks = [cfg.build(model_facts={"vocab_size": 100}, dp_rank=r, dp_world_size=2) for r in range(2)]
     assert first_difference([[mb for r in ranks for mb in r.next_step()] for _ in range(3)], ref) is None
     for mb in ref[0]:
-        assert set(mb) == {"input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_host", "max_seqlen"}
+        assert set(mb) == {"input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_host", "max_seqlen", "token_mask"}
         assert mb["input_ids"].shape == (1, 64) and int(mb["input_ids"].max()) < 100
         labelled = mb["labels"][0, :-1] != -100
         assert torch.equal(mb["labels"][0, :-1][labelled], mb["input_ids"][0, 1:][labelled])

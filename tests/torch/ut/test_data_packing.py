@@ -42,8 +42,8 @@ def test_collate_matches_hand_written_contract():
     assert b["cu_seqlens"].tolist() == [0, 4, 6, 9, 12] and b["cu_seqlens"].dtype == torch.int32
     assert b["max_seqlen"] == 4
     assert b["visual_indices"].tolist() == [1, 2, 7] and b["vq_codes"].tolist() == [3, 4, 7]
-    assert set(b) == {"input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_host", "max_seqlen", "visual_indices",
-                      "vq_codes"}  # fmt: skip
+    assert set(b) == {"input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_host", "max_seqlen", "token_mask",
+                      "visual_indices", "vq_codes"}  # fmt: skip
     for k in ("input_ids", "labels", "position_ids", "visual_indices", "vq_codes"):
         assert b[k].dtype == torch.int64, k
     moved = batch_to_device(b, "cpu")
@@ -77,7 +77,7 @@ def test_collate_on_toy_documents_follows_the_label_rule():
 def test_generic_collate_knows_no_model_input():
     docs = [TokenDocument(f"t{i}", "s", np.array(t), shift_labels(np.array(t))) for i, t in enumerate([[5, 6, 7], [8, 9]])]
     b = collate_packed(docs, pad_token_id=0, pad_to_multiple_of=8)
-    assert set(b) == {"input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_host", "max_seqlen"}
+    assert set(b) == {"input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_host", "max_seqlen", "token_mask"}
     assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0, 0, 0]]
     assert b["labels"].tolist() == [[6, 7, -100, 9, -100, -100, -100, -100]]
     assert b["cu_seqlens"].tolist() == [0, 3, 5, 8] and b["max_seqlen"] == 3

@@ -25,7 +25,7 @@ from hyper_parallel.data.text import cached_toy_text
 from hyper_parallel.data.tokenizer import HuggingFaceTokenizer
 
 V = 4096
-GENERIC = {"input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_host", "max_seqlen"}
+GENERIC = {"input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_host", "max_seqlen", "token_mask"}
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ IMG, VS, VE = 512, 513, 514
 FACTS = dict(vocab_size=520, image_token_id=IMG, vision_start_token_id=VS, vision_end_token_id=VE, patch_size=16,
              temporal_patch_size=2, merge_size=2)  # fmt: skip
 IMAGE = ImageProcessor.Config(min_pixels=32 * 32, max_pixels=128 * 128)
-GENERIC = {"input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_host", "max_seqlen"}
+GENERIC = {"input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_host", "max_seqlen", "token_mask"}
 FACT_FLAGS = ["--image-token-id", "512", "--vision-start-token-id", "513", "--vision-end-token-id", "514",
               "--vocab-size", "520", "--min-pixels", str(32 * 32), "--max-pixels", str(128 * 128)]  # fmt: skip
 

@@ -2,8 +2,10 @@
 ``qwen3_vl_moe_v2`` with the dense Qwen3.5 text decoder, against transformers (fp32) on shrunk folders in the
 released form (``released_configs/qwen3_5_0_8b.json``: tied; ``qwen3_5_27b.json``: untied):
 
-- logits and gradients within 1e-5, two images in one document packed with a text-only document in the same
-  row (ours: one packed row with ``cu_seqlens``; HF: the documents run one by one, the loss summed);
+- logits and gradients within 1e-5, two images in one document (and, on the tied release, a video: per
+  temporal patch a timestamp, then the frame group between vision markers, as HF's processor writes it) packed
+  with a text-only document in the same row (ours: one packed row with ``cu_seqlens``; HF: the documents run
+  one by one, the loss summed);
 - the export (``save_pretrained``) holds the folder's keys (dense ``mlp.gate_proj/up_proj/down_proj``, no
   head when tied) and config form, and reads back in transformers with equal logits;
 - the folder-to-package table: a ``qwen3_5`` folder is the text model by default, the VL model for
@@ -23,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 
 from hyper_parallel.models import qwen3_vl_moe_v2  # noqa: E402
 from hyper_parallel.models.qwen3_vl_moe_v2 import Qwen3VlMoeStateDictAdapter  # noqa: E402
-from tests.torch.ut.test_released_configs import IMG, _hf_model, _inputs, _write_folder  # noqa: E402
+from tests.torch.ut.test_released_configs import IMG, VE, VID, VS, _hf_model, _inputs, _write_folder  # noqa: E402
 
 TOL = 1e-5
 HF_CLS = "Qwen3_5ForConditionalGeneration"
@@ -36,28 +38,43 @@ def _folder(name, tmp_path):
 
 
 def _hf_run(hf, ids, **kw):
-    extra = {"mm_token_type_ids": (ids == IMG).int()} if kw else {}
+    extra = {"mm_token_type_ids": (ids == IMG).int() + 2 * (ids == VID).int()} if kw else {}
     return hf(input_ids=ids, **kw, **extra, use_cache=False).logits
 
 
-@pytest.mark.parametrize("name", RELEASES)
-def test_packed_logits_and_grads_match_transformers(name, tmp_path):
+def _video_doc() -> dict[str, torch.Tensor]:
+    """One document with a video of 2 temporal patches (4 x 6 patches: 6 tokens per frame group)."""
+    t, h, w = grid = (2, 4, 6)
+    ids = [1, 2, VS]
+    for i in range(t):  # "<t seconds>" (two text tokens here), then the frame group between vision markers
+        ids += [40 + i, 41, VS] + [VID] * (h * w // 4) + [VE]
+    ids += [VE, 9, 10]
+    pixels = torch.randn(t * h * w, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(2))
+    return {"input_ids": torch.tensor([ids]), "pixel_values_videos": pixels, "video_grid_thw": torch.tensor([grid])}
+
+
+CASES = [(name, "images") for name in RELEASES] + [("qwen3_5_0_8b.json", "video")]
+
+
+@pytest.mark.parametrize(("name", "visual"), CASES)
+def test_packed_logits_and_grads_match_transformers(name, visual, tmp_path):
     d, hf = _folder(name, tmp_path)
     ours = qwen3_vl_moe_v2.from_pretrained(tmp_path / "hf")
     assert ours.config.text_family == "qwen3_5"
     assert ours.config.tie_word_embeddings == bool(d["tie_word_embeddings"])
-    img = _inputs(True)  # one document with two images of different grids
+    # one document with two images of different grids, or with a video
+    doc = _inputs(True) if visual == "images" else _video_doc()
     text_doc = torch.tensor([[3, 4, 5, 6, 7, 8, 9]])  # text only
-    docs = [text_doc, img["input_ids"]]
+    docs = [text_doc, doc["input_ids"]]
     packed = torch.cat(docs, dim=1)
     cu = torch.tensor([0, text_doc.shape[1], packed.shape[1]], dtype=torch.int32)
     labels = torch.randint(0, 512, packed.shape, generator=torch.Generator().manual_seed(3))
     n = packed.shape[1]
 
-    vis = dict(pixel_values=img["pixel_values"], image_grid_thw=img["image_grid_thw"])
-    hf_parts = [_hf_run(hf, text_doc), _hf_run(hf, img["input_ids"], **vis)]
+    vis = {k: v for k, v in doc.items() if k != "input_ids"}
+    hf_parts = [_hf_run(hf, text_doc), _hf_run(hf, doc["input_ids"], **vis)]
     hf_logits = torch.cat(hf_parts, dim=1)
-    out = ours(packed, **vis, cu_seqlens=cu, max_seqlen=int(img["input_ids"].shape[1]))
+    out = ours(packed, **vis, cu_seqlens=cu, max_seqlen=int(doc["input_ids"].shape[1]))
     logits = out.logits if hasattr(out, "logits") else out
     err = (logits - hf_logits).abs().max().item()
     assert err <= TOL, err
@@ -71,9 +88,9 @@ def test_packed_logits_and_grads_match_transformers(name, tmp_path):
     assert set(got) <= set(want), set(got) - set(want)
     assert any(".mlp.gate_proj." in k for k in got) and not any("experts" in k for k in got)
     worst = max((want[k] - got[k]).abs().max().item() for k in got)
-    print(f"{name}: max |logits diff| {err:.2e}, max |grad diff| {worst:.2e} over {len(got)} tensors")
+    print(f"{name} {visual}: max |logits diff| {err:.2e}, max |grad diff| {worst:.2e} over {len(got)} tensors")
     assert worst <= TOL, worst
-    assert got["visual.patch_embed.proj.weight"].abs().max() > 0  # the tower is trained through the images
+    assert got["visual.patch_embed.proj.weight"].abs().max() > 0  # the tower is trained through the images/video
 
 
 def test_export_keeps_the_folder_form_and_reads_back_in_transformers(tmp_path):
@@ -162,3 +179,23 @@ def test_mtp_block_from_the_folder_matches_the_reference_with_images(tmp_path):
     qwen3_vl_moe_v2.save_pretrained(ours, tmp_path / "export")  # the block written back under vLLM's names
     written = load_file(tmp_path / "export" / "model.safetensors")
     assert {k for k in written if k.startswith("mtp.")} == set(ref.hf_keys())
+
+
+def test_release_recipes_have_the_release_dimensions():
+    """``qwen3_5_27b_vl`` builds what the 27B release's config.json builds; ``qwen3_5_9b_vl`` what transformers'
+    ``Qwen3_5Config`` defaults build (the "Qwen3.5-9B style" configuration, with the releases' RoPE and its tower
+    out 4096): every dimension and the parameter count as transformers' model on the meta device."""
+    from hyper_parallel.models.qwen3_vl_moe_v2.config_registry import qwen3_5_9b_vl, qwen3_5_27b_vl
+    from tests.torch.ut.test_released_configs import _hf_facts, _our_facts, _released
+
+    release = _released("qwen3_5_27b.json")
+    recipe, folder = qwen3_5_27b_vl().model, qwen3_vl_moe_v2.config_from_hf(release)
+    assert recipe.layers == folder.layers and recipe.visual == folder.visual
+    ours, hf = _our_facts(recipe), _hf_facts(release, HF_CLS)
+    assert {k: ours[k] for k in ours} == {k: hf[k] for k in ours}
+    rope = dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[11, 11, 10],
+                mrope_interleaved=True)  # the releases' RoPE (transformers' default theta is 1e4)
+    nine = {"model_type": "qwen3_5", "text_config": {"rope_parameters": rope},
+            "vision_config": {"out_hidden_size": 4096}}  # fmt: skip
+    ours, hf = _our_facts(qwen3_5_9b_vl().model), _hf_facts(nine, HF_CLS)
+    assert {k: ours[k] for k in ours} == {k: hf[k] for k in ours}, (ours, hf)

@@ -73,6 +73,7 @@ RELEASE_FOLDERS = {
     "Qwen3.5-35B-A3B": "qwen3_5_35b_a3b.json",
     "Qwen3-VL-30B-A3B-Instruct": "qwen3_vl_30b_a3b_instruct.json",
     "GLM-4.7-Flash": "glm_4_7_flash.json",
+    "Qwen3.8-27B": "qwen3_8_27b.json",
 }
 
 

@@ -53,10 +53,13 @@ RELEASES = {
     "qwen3_6_35b_a3b.json": (qwen3_5_moe_v2, "Qwen3_5MoeForConditionalGeneration"),  # Qwen3.6: its own form
     "qwen3_5_0_8b.json": (qwen3_5_v2, "Qwen3_5ForConditionalGeneration"),
     "qwen3_5_27b.json": (qwen3_5_v2, "Qwen3_5ForConditionalGeneration"),
+    # Qwen3.8's export form: vision_config.model_type "qwen3_5_vision", language_model_only, bos/eos, mtp_* keys
+    "qwen3_8_27b.json": (qwen3_5_v2, "Qwen3_5ForConditionalGeneration"),
     "glm_4_7_flash.json": (glm_image_moe_v2, "Glm4MoeLiteForCausalLM"),
 }
 # the 35B-A3B releases also feed the VL package (the Qwen3.5-MoE VL model shares the text reader)
-VL_OF = {"qwen3_5_35b_a3b.json": qwen3_vl_moe_v2, "qwen3_6_35b_a3b.json": qwen3_vl_moe_v2}
+VL_OF = {"qwen3_5_35b_a3b.json": qwen3_vl_moe_v2, "qwen3_6_35b_a3b.json": qwen3_vl_moe_v2,
+         "qwen3_8_27b.json": qwen3_vl_moe_v2}
 
 
 def _hf_config(d: dict[str, Any]):
@@ -290,6 +293,7 @@ CASES = [
     ("qwen3_5_35b_a3b.json", qwen3_vl_moe_v2, True),
     ("qwen3_5_0_8b.json", qwen3_5_v2, False),
     ("qwen3_5_27b.json", qwen3_5_v2, False),
+    ("qwen3_8_27b.json", qwen3_vl_moe_v2, True),
     ("glm_4_7_flash.json", glm_image_moe_v2, False),
 ]
 
@@ -404,6 +408,27 @@ def test_qwen3_5_config_forms_build_what_transformers_builds(form, tmp_path):
     want = _hf_logits(_hf_model(tmp_path / "hf", RELEASES[name][1]), inputs)
     got = _our_logits(qwen3_vl_moe_v2.from_pretrained(tmp_path / "hf"), inputs)
     assert (got - want).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("vision_type", ["qwen3_5_vision", "qwen3_5"])
+def test_qwen3_8_vision_model_type_reads_either_way_and_is_written_as_read(vision_type):
+    # Megatron-Bridge / xtuner exports of Qwen3.8 write vision_config.model_type "qwen3_5_vision" (the class's
+    # own), the Qwen3.5 dense releases "qwen3_5" (transformers renames it on read): the same model either way
+    d = copy.deepcopy(_released("qwen3_8_27b.json"))
+    d["vision_config"]["model_type"] = vision_type
+    hf = _hf_config(d)
+    assert hf.vision_config.model_type == "qwen3_5_vision" and hf.vision_config.out_hidden_size == 5120
+    cfg = qwen3_vl_moe_v2.config_from_hf(d)
+    assert cfg.visual == qwen3_vl_moe_v2.config_from_hf(_released("qwen3_8_27b.json")).visual
+    assert _our_facts(cfg)["params"] == _hf_facts(d, "Qwen3_5ForConditionalGeneration")["params"]
+    written = qwen3_vl_moe_v2.state_dict.config_to_hf(cfg)
+    # every key as the folder wrote it (its model_type spelling, deepstack [] ...); the writer states the
+    # tower's axial RoPE besides (transformers' default theta 1e4)
+    assert {k: written["vision_config"][k] for k in d["vision_config"]} == d["vision_config"]
+    assert written["language_model_only"] is False  # top-level keys transformers does not model kept
+    for key in ("bos_token_id", "eos_token_id", "partial_rotary_factor", "mtp_num_hidden_layers",
+                "mtp_use_dedicated_embeddings", "attn_output_gate", "output_gate_type", "mamba_ssm_dtype"):
+        assert written["text_config"][key] == d["text_config"][key], key  # fmt: skip
 
 
 def test_qwen3_5_text_only_causal_lm_form_reads_like_transformers():

@@ -98,7 +98,9 @@ EXPECTED_SP_LOSS_PARALLEL_EP = {
     "layers.1.self_attn.kv_b_proj": COLWISE,
     "layers.1.self_attn.o_proj": "weight=tp:S1 | in x tp:S-1>- | out tp:P>tp:S1",
     "layers.1.post_attention_layernorm": SP_NORM,
-    # the MoE itself declares nothing with SP (it runs on the chunk); the shared expert sees flat tokens
+    # with SP the MoE runs on the chunk it is handed; only the token mask (whole rows) is cut to that chunk.
+    # The shared expert sees flat tokens
+    "layers.1.mlp": "in token_mask tp:R>tp:S1",
     "layers.1.mlp.experts": "gate_up_proj=ep:S0 | down_proj=ep:S0",
     "layers.1.mlp.shared_experts": "in x tp:S0>tp:R | grad tp:P",
     "layers.1.mlp.shared_experts.gate_proj": COLWISE,
@@ -122,7 +124,8 @@ EXPECTED_PLAIN_TP = {
     "layers.1.self_attn.q_b_proj": COLWISE,
     "layers.1.self_attn.kv_b_proj": COLWISE,
     "layers.1.self_attn.o_proj": "weight=tp:S1 | in x tp:S-1>- | out tp:P>tp:R",
-    "layers.1.mlp": "in x tp:R>tp:S1 | out tp:S1>tp:R",  # the MoE routes its sequence chunk only
+    # the MoE routes its sequence chunk only; the token mask is cut like x
+    "layers.1.mlp": "in token_mask tp:R>tp:S1 | in x tp:R>tp:S1 | out tp:S1>tp:R",
     "layers.1.mlp.shared_experts": "in x tp:S0>tp:R | grad tp:P",
     "layers.1.mlp.shared_experts.gate_proj": COLWISE,
     "layers.1.mlp.shared_experts.up_proj": COLWISE,
@@ -167,7 +170,8 @@ def test_glm_image_moe_model_variants():
     assert got["layers.0.self_attn.q_proj"] == COLWISE
     assert "layers.0.self_attn.q_b_proj" not in got
     assert got["layers.0.self_attn.o_proj"] == "weight=tp:S1 | bias=tp:R | in x tp:S-1>- | out tp:P>tp:S1"
-    assert not any(k.startswith("layers.1.mlp") for k in got)  # no shared expert, no EP: the MoE declares nothing
+    # no shared expert, no EP: the MoE declares only the cut of its token mask to the SP chunk
+    assert {k: v for k, v in got.items() if k.startswith("layers.1.mlp")} == {"layers.1.mlp": "in token_mask tp:R>tp:S1"}
     # the latent projections/norms and the VQ path stay undeclared (replicated)
     assert not any(s in k for k in got for s in ("q_a_", "kv_a_", "vq_", "gate.", "rope"))
 
