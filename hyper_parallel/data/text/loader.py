@@ -354,8 +354,8 @@ class HuggingFaceTextDataLoader(ShardedDataLoader):
         files = resolve_text_files(path)
         if not tokenizer:
             raise ValueError(
-                f"data.path={c.path!r} names raw text files: set data.tokenizer to an HF tokenizer folder "
-                "(with tokenizer.json)"
+                f"data.path={c.path!r} names raw text files: set --data.tokenizer to an HF tokenizer folder "
+                "(with tokenizer.json), usually the model's own: the folder you pass as --checkpoint.initial_load_path"
             )
         vocab = HuggingFaceTokenizer.from_folder(tokenizer).vocab_size
         if vocab > self.vocab_size:
