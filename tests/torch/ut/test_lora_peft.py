@@ -44,7 +44,7 @@ from tests.torch.ut.test_folder_is_model import (  # noqa: E402
     text_batch,
     write_hf_folder,
 )
-from tests.torch.ut.test_released_configs import IMG  # noqa: E402
+from tests.torch.ut.test_released_configs import IMG, _shrink  # noqa: E402
 
 TOL = 1e-5
 
@@ -130,6 +130,9 @@ CASES = [
      LoRAConfig(rank=4, alpha=8.0, targets=("all-linear", "experts"), modules_to_save=("lm_head",))),
     ("qwen3_vl_moe", lambda: _hub_form(*qwen3_vl_moe_folder()), "qwen3_vl_moe",
      LoRAConfig(rank=4, alpha=12.0, targets=("all-linear", "experts"))),
+    # Qwen3-VL dense (the shrunk 2B release, tied, deepstack), tower blocks and mergers adapted too
+    ("qwen3_vl_dense", lambda: (_shrink("qwen3_vl_2b_instruct.json"), "Qwen3VLForConditionalGeneration"),
+     "qwen3_vl_moe", LoRAConfig(rank=4, alpha=12.0, targets=("all-linear",))),
 ]  # GlmImageMoe's backbone as Glm4MoeLite: through the trainer below
 
 
@@ -140,7 +143,7 @@ def test_peft_and_merged_exports_give_our_logits(case, tmp_path):
     base = tmp_path / "base"
     hf = write_hf_folder(base, copy.deepcopy(d), hf_cls)
     text = d.get("text_config", d)
-    batch = image_batch(tmp_path / "b.pt") if name == "qwen3_vl_moe" else text_batch(tmp_path / "b.pt", vocab=text["vocab_size"])
+    batch = image_batch(tmp_path / "b.pt") if name.startswith("qwen3_vl") else text_batch(tmp_path / "b.pt", vocab=text["vocab_size"])
     spec = discover_model_spec(module)
     ours = _ours(spec, base, lora)
     with torch.no_grad():
@@ -148,7 +151,7 @@ def test_peft_and_merged_exports_give_our_logits(case, tmp_path):
     before = _hf_logits(hf, batch)
     assert (before - want).abs().max() > 1e-2  # the adapters change the model
 
-    moe = name != "qwen3_5_dense"
+    moe = name not in ("qwen3_5_dense", "qwen3_vl_dense")
     save_adapter(spec, ours, tmp_path / "adapter", base_model_name_or_path=str(base))
     save_merged(spec, ours, tmp_path / "merged")
     if name == "qwen3_5_moe":  # (the VL folder's experts are fused on disk: the check below reads per-expert keys)
@@ -159,6 +162,7 @@ def test_peft_and_merged_exports_give_our_logits(case, tmp_path):
     assert cfg["lora_dropout"] == (0.0 if moe else lora.dropout)  # PEFT refuses dropout on target_parameters
     assert any(m.endswith("in_proj_qkv") for m in cfg["target_modules"]) == name.startswith("qwen3_5")
     assert bool(cfg["target_parameters"]) == moe
+    assert any("visual.blocks." in m for m in cfg["target_modules"]) == name.startswith("qwen3_vl")  # the tower too
     peft_model = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
     got = _hf_logits(peft_model, batch)
     diff = (got - want).abs().max().item()
