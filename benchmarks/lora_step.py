@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_step import VOCAB, glm_bench_config  # a sibling script: benchmarks/ is on sys.path when run
+
 # HF module names (what a user writes for --lora.targets); the same names select PEFT's modules
 TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
            "experts")  # fmt: skip
@@ -77,7 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from peft import PeftModel
-    from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM
+    from transformers import Glm4MoeLiteForCausalLM
 
     from hyper_parallel.components import CrossEntropyLoss
     from hyper_parallel.config.lora import LoRAConfig, apply_lora, lora_trainable_names
@@ -86,13 +88,8 @@ def main() -> None:
     from hyper_parallel.protocols.hf_lora import save_adapter
     from hyper_parallel.protocols.model_spec import discover_model_spec
 
-    vocab = 4096
-    hf_cfg = Glm4MoeLiteConfig(
-        vocab_size=vocab, hidden_size=256, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
-        n_group=1, topk_group=1, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
-        v_head_dim=32, max_position_embeddings=4096, pad_token_id=None, use_cache=False,
-    )  # fmt: skip
+    vocab = VOCAB
+    hf_cfg = glm_bench_config()  # the same model as model_step.py
     torch.manual_seed(0)
     hf = Glm4MoeLiteForCausalLM(hf_cfg)
     hf.config._attn_implementation = "sdpa"

@@ -28,6 +28,21 @@ import torch
 import torch.nn.functional as F
 
 
+VOCAB = 4096
+
+
+def glm_bench_config():
+    """The benchmarks' GLM-4.7-Flash-shaped ``Glm4MoeLiteConfig`` (4 layers, 16 experts, MLA; also used by lora_step.py)."""
+    from transformers import Glm4MoeLiteConfig
+
+    return Glm4MoeLiteConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
+        n_group=1, topk_group=1, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        v_head_dim=32, max_position_embeddings=4096, pad_token_id=None, use_cache=False,
+    )  # fmt: skip
+
+
 def measure_matmul_peak(n: int = 1024, iters: int = 10) -> float:
     """fp32 FLOP/s of a square matmul (the attainable dense peak on this CPU)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -62,18 +77,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM
+    from transformers import Glm4MoeLiteForCausalLM
 
     from hyper_parallel.components import CrossEntropyLoss
     from hyper_parallel.models.glm_image_moe_v2 import from_pretrained
 
-    vocab = 4096
-    hf_cfg = Glm4MoeLiteConfig(
-        vocab_size=vocab, hidden_size=256, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
-        n_group=1, topk_group=1, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
-        v_head_dim=32, max_position_embeddings=4096, pad_token_id=None, use_cache=False,
-    )  # fmt: skip
+    vocab = VOCAB
+    hf_cfg = glm_bench_config()
     torch.manual_seed(0)
     hf = Glm4MoeLiteForCausalLM(hf_cfg)
     hf.config._attn_implementation = "sdpa"

@@ -68,6 +68,7 @@ from hyper_parallel.protocols.hf_serving import write_serving_files
 from hyper_parallel.protocols.hf_lora import export_lora
 from hyper_parallel.protocols.model import BaseModel, split_output
 from hyper_parallel.protocols.model_spec import ModelSpec, discover_model_spec
+from hyper_parallel.protocols.module import unwrapped_name
 
 __all__ = ["NonFiniteError", "Trainer", "validate_model_layout"]
 
@@ -647,7 +648,7 @@ class Trainer(Configurable):
             counts = pop().float()
             if moe_group is not None:
                 dist.all_reduce(counts, group=moe_group)
-            load[name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")] = counts
+            load[unwrapped_name(name)] = counts
             if rate > 0:
                 module.update_bias_correction(counts, rate)
         return load

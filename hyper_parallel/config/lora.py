@@ -37,6 +37,7 @@ from hyper_parallel.config.errors import ConfigError
 from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.lora import LoRA, is_lora_param
 from hyper_parallel.models.common.moe import GroupedExperts
+from hyper_parallel.protocols.module import unwrapped_name
 
 __all__ = ["ALL_LINEAR", "LoRAConfig", "apply_lora", "freeze_lora_base", "lora_targets", "lora_trainable_names"]
 
@@ -231,10 +232,6 @@ def check_modules_to_save(model_config: Any, modules_to_save: Iterable[str]) -> 
             )
 
 
-def _canonical(name: str) -> str:
-    """A parameter name without the activation-checkpoint / compile wrappers' parts."""
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-
 
 def lora_trainable_names(model: nn.Module, modules_to_save: Iterable[str] = ()) -> set[str]:
     """Names of the parameters a LoRA run trains: every adapter (``is_lora_param``) and every parameter of a
@@ -243,7 +240,7 @@ def lora_trainable_names(model: nn.Module, modules_to_save: Iterable[str] = ()) 
     keep = tuple(modules_to_save)
     out: set[str] = set()
     for raw, _ in model.named_parameters(remove_duplicate=False):
-        name = _canonical(raw)
+        name = unwrapped_name(raw)
         module = name.rsplit(".", 1)[0] if "." in name else ""
         if is_lora_param(name) or any(_names(m, module) for m in keep):
             out.add(name)
@@ -255,7 +252,7 @@ def freeze_lora_base(model: nn.Module, trainable: Iterable[str]) -> None:
     compile wrapper parts of the names are ignored), so the optimizer, EMA and gradient clipping skip it. A trainable
     parameter keeps its flag (``model.freeze`` still wins); a tied parameter is trained when any of its names is."""
     keep = set(trainable)
-    named = [(_canonical(name), p) for name, p in model.named_parameters(remove_duplicate=False)]
+    named = [(unwrapped_name(name), p) for name, p in model.named_parameters(remove_duplicate=False)]
     trained = {id(p) for name, p in named if name in keep}
     for _, p in named:
         if id(p) not in trained:

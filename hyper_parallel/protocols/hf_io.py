@@ -39,6 +39,7 @@ from hyper_parallel.protocols.hf_storage import (
     stack,
     writes_once,
 )
+from hyper_parallel.protocols.module import unwrapped_name
 from hyper_parallel.protocols.state_dict_adapter import BaseStateDictAdapter
 
 __all__ = [
@@ -211,7 +212,7 @@ def model_state_dict(model: Any) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` under the model's own names (activation-checkpoint and compile wrappers
     dropped); a parallelized model's entries are its DTensors, whose local shards the load fills in place."""
     return {
-        k.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): v for k, v in model.state_dict().items()
+        unwrapped_name(k): v for k, v in model.state_dict().items()
     }
 
 

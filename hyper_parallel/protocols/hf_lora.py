@@ -85,6 +85,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.protocols.hf_io import full_tensor, model_state_dict
 from hyper_parallel.protocols.hf_storage import HFFolder, save_converted, writes_once
+from hyper_parallel.protocols.module import unwrapped_name
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -171,7 +172,7 @@ def trained_module_keys(model: torch.nn.Module) -> list[str]:
     """Our keys of the parameters trained in full beside the adapters (``--lora.modules_to_save``): those that
     require grad and are no adapter's (every other base weight is frozen)."""
     names = {
-        n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        unwrapped_name(n)
         for n, p in model.named_parameters()
         if p.requires_grad
     }

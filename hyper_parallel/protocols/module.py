@@ -18,7 +18,13 @@ from hyper_parallel.config.configurable import Configurable
 from hyper_parallel.protocols.param_init import ParamInit
 from hyper_parallel.protocols.sharding import ShardingConfig
 
-__all__ = ["Module", "ModuleDict", "ModuleList", "Sequential"]
+__all__ = ["Module", "ModuleDict", "ModuleList", "Sequential", "unwrapped_name"]
+
+
+def unwrapped_name(name: str) -> str:
+    """A parameter or module name as the model itself spells it: activation-checkpoint and compile wrappers'
+    name parts (``_checkpoint_wrapped_module.``, ``_orig_mod.``) dropped."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 class Module(nn.Module, Configurable):

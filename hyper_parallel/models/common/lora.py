@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hyper_parallel.config.configurable import Configurable
 from hyper_parallel.config.errors import ConfigError
+from hyper_parallel.protocols.module import unwrapped_name
 
 __all__ = ["LoRA", "init_adapters_", "init_lora_A_", "is_lora_param"]
 
@@ -99,7 +100,7 @@ def init_adapters_(model: nn.Module, seed: int) -> int:
     """
     count = 0
     for raw, p in model.named_parameters():
-        name = raw.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        name = unwrapped_name(raw)
         if not is_lora_param(name):
             continue
         full = torch.zeros(tuple(p.shape), dtype=torch.float32)

@@ -12,6 +12,7 @@ from hyper_parallel.data import VisionLanguageDataLoader
 from hyper_parallel.data.vision_language.preprocess import ImageProcessor
 from hyper_parallel.data.vision_language.video import VideoProcessor
 from hyper_parallel.models.qwen3_vl_moe_v2.model import (
+    Qwen3VlMoeModel,
     qwen3_5_moe_vl_config,
     qwen3_5_vl_config,
     qwen3_vl_config,
@@ -124,6 +125,26 @@ def qwen3_5_vl_debug(*, mtp_num_hidden_layers: int = 0) -> Trainer.Config:
     return _debug_trainer(model, "qwen3_vl_moe")
 
 
+def _release_run(model: Qwen3VlMoeModel.Config, *, tokens_per_microbatch: int, ac: str, lr: float,
+                 warmup_steps: int) -> Trainer.Config:
+    """The run of a release-size recipe: bf16 FSDP over every rank (the tower in its own FSDP-only units), packed
+    VL micro-batches of ``tokens_per_microbatch`` tokens, recomputation ``ac``, AdamW with a cosine schedule, async
+    checkpoints."""
+    return Trainer.Config(
+        model_spec="qwen3_vl_moe",
+        model=model,
+        training=TrainingConfig(steps=10000, max_norm=1.0, mixed_precision_param="bfloat16"),
+        parallelism=ParallelismConfig(data_parallel_shard_degree=-1),
+        activation_checkpoint=ActivationCheckpointConfig(mode=ac),
+        data=VisionLanguageDataLoader.Config(max_tokens_per_microbatch=tokens_per_microbatch, global_batch_tokens=0,
+                                             num_workers=2),  # fmt: skip
+        optimizer=OptimizersContainer.Config(name="adamw", lr=lr, weight_decay=0.1),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=warmup_steps, decay_type="cosine", min_lr_ratio=0.1),
+        checkpoint=CheckpointManager.Config(enable=True, interval=500, keep_latest_k=3, async_mode="async"),
+        metrics=MetricsProcessor.Config(log_freq=10),
+    )
+
+
 def qwen3_vl_moe_a3b() -> Trainer.Config:
     """Qwen3-VL-30B-A3B dims (reference doc section 6): text 30.5B total / ~3.35B active, bf16 FSDP.
 
@@ -140,19 +161,8 @@ def qwen3_vl_moe_a3b() -> Trainer.Config:
                     spatial_merge_size=2, num_position_embeddings=2304, deepstack_visual_indexes=(8, 16, 24)),
         image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
     )  # fmt: skip
-    return Trainer.Config(
-        model_spec="qwen3_vl_moe",
-        model=model,
-        training=TrainingConfig(steps=10000, max_norm=1.0, mixed_precision_param="bfloat16"),
-        parallelism=ParallelismConfig(data_parallel_shard_degree=-1),
-        # full recomputation: without it one 8192-token micro-batch peaks at ~147 GiB on 8 x 80 GiB (dry run)
-        activation_checkpoint=ActivationCheckpointConfig(mode="full"),
-        data=VisionLanguageDataLoader.Config(max_tokens_per_microbatch=8192, global_batch_tokens=0, num_workers=2),
-        optimizer=OptimizersContainer.Config(name="adamw", lr=2e-5, weight_decay=0.1),
-        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=200, decay_type="cosine", min_lr_ratio=0.1),
-        checkpoint=CheckpointManager.Config(enable=True, interval=500, keep_latest_k=3, async_mode="async"),
-        metrics=MetricsProcessor.Config(log_freq=10),
-    )
+    # full recomputation: without it one 8192-token micro-batch peaks at ~147 GiB on 8 x 80 GiB (dry run)
+    return _release_run(model, tokens_per_microbatch=8192, ac="full", lr=2e-5, warmup_steps=200)
 
 
 def qwen3_vl_moe_a3b_lora() -> Trainer.Config:
@@ -205,19 +215,7 @@ def _qwen3_5_dense_vl(*, tokens_per_microbatch: int, ac: str, **text) -> Trainer
         rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=(11, 11, 10), rms_norm_eps=1e-6,
         max_position_embeddings=262144, vision=dict(_QWEN3_5_VISION), **_QWEN3_5_IDS, **text,
     )  # fmt: skip
-    return Trainer.Config(
-        model_spec="qwen3_vl_moe",
-        model=model,
-        training=TrainingConfig(steps=10000, max_norm=1.0, mixed_precision_param="bfloat16"),
-        parallelism=ParallelismConfig(data_parallel_shard_degree=-1),
-        activation_checkpoint=ActivationCheckpointConfig(mode=ac),
-        data=VisionLanguageDataLoader.Config(max_tokens_per_microbatch=tokens_per_microbatch, global_batch_tokens=0,
-                                             num_workers=2),  # fmt: skip
-        optimizer=OptimizersContainer.Config(name="adamw", lr=1e-5, weight_decay=0.1),
-        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=100, decay_type="cosine", min_lr_ratio=0.1),
-        checkpoint=CheckpointManager.Config(enable=True, interval=500, keep_latest_k=3, async_mode="async"),
-        metrics=MetricsProcessor.Config(log_freq=10),
-    )
+    return _release_run(model, tokens_per_microbatch=tokens_per_microbatch, ac=ac, lr=1e-5, warmup_steps=100)
 
 
 def qwen3_5_9b_vl() -> Trainer.Config:

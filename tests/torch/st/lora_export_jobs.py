@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tests.torch.st.lora_jobs import write_hf_folder as write_base  # one tiny HF folder writer for both files
+
 BASE = [
     "--module", "qwen3_5_moe", "--config", "qwen3_5_moe_debug", "--checkpoint.export_dtype", "float32",
     "--lora.rank", "4", "--lora.alpha", "8", "--lora.targets", "all-linear", "experts",
@@ -26,18 +28,6 @@ LAYOUTS = {
     "tp2": ["--parallelism.tensor_parallel_degree", "2"],
     "ep2": ["--parallelism.expert_parallel_degree", "2"],
 }
-
-
-def write_base(path: str) -> str:
-    """A tiny HF folder of the recipe's model (seeded random weights, fp32), written by our own export."""
-    from hyper_parallel.models import qwen3_5_moe_v2
-    from hyper_parallel.models.qwen3_5_moe_v2.config_registry import qwen3_5_moe_debug
-
-    torch.manual_seed(1234)
-    model = qwen3_5_moe_debug().model.build()
-    model.init_weights()
-    qwen3_5_moe_v2.save_pretrained(model, path, dtype=torch.float32)
-    return path
 
 
 @torch.no_grad()
