@@ -48,6 +48,7 @@ from hyper_parallel.config import (
     TrainingConfig,
 )
 from hyper_parallel.config.dtypes import to_torch_dtype
+from hyper_parallel.config.errors import ConfigError
 from hyper_parallel.config.lora import LoRAConfig, apply_lora, freeze_lora_base, lora_targets, lora_trainable_names
 from hyper_parallel.data import DataConfig, DataStateMismatch
 from hyper_parallel.data.packing import add_mtp_targets
@@ -55,6 +56,7 @@ from hyper_parallel.distributed.context_parallel import split_batch_for_cp
 from hyper_parallel.distributed.env import init_distributed, set_determinism, set_pg_timeouts, world_info
 from hyper_parallel.distributed.fsdp import set_gradient_reduction
 from hyper_parallel.distributed.parallel_dims import ParallelDims
+from hyper_parallel.distributed.pipeline_parallel import PipelineParallel, check_microbatches
 from hyper_parallel.distributed.utils import clip_grad_norm_, dist_sum
 from hyper_parallel.models.common.lora import init_adapters_, is_lora_param
 from hyper_parallel.protocols.hf_model import (
@@ -65,8 +67,9 @@ from hyper_parallel.protocols.hf_model import (
     resolve_run_model,
 )
 from hyper_parallel.protocols.hf_serving import write_serving_files
+from hyper_parallel.protocols.hf_storage import pipeline_stages
 from hyper_parallel.protocols.hf_lora import export_lora
-from hyper_parallel.protocols.model import BaseModel, split_output
+from hyper_parallel.protocols.model import BaseModel, ModelOutput, split_output
 from hyper_parallel.protocols.model_spec import ModelSpec, discover_model_spec
 from hyper_parallel.protocols.module import unwrapped_name
 
@@ -185,6 +188,8 @@ class Trainer(Configurable):
         # 1. layout, validated before anything is built
         self.parallel_dims = ParallelDims.from_config(config.parallelism, self.world_size)
         self._validate_model_layout()
+        if self.parallel_dims.pp_enabled:
+            self._check_pipeline_options(config)
         self.parallel_dims.build_mesh(self.device.type)
 
         # 2. data: its config is checked against the layout and the model's facts before the model is built
@@ -200,16 +205,22 @@ class Trainer(Configurable):
         # to 2 x cp.
         pd = self.parallel_dims
         cp_pieces = 2 if pd.cp > 1 else 1
+        seq_multiple = cp_pieces * pd.cp * (pd.tp if pd.sp_enabled else 1)
+        if pd.pp_enabled:  # the stages' receive buffers are shaped once: every micro-batch is padded to the budget
+            seq_multiple = math.lcm(seq_multiple, config.data.max_tokens_per_microbatch)
         data_kwargs = dict(
             dp_rank=self.dp_rank,
             dp_world_size=self.dp_world,
-            seq_multiple=cp_pieces * pd.cp * (pd.tp if pd.sp_enabled else 1),
+            seq_multiple=seq_multiple,
             model_facts=self.spec.data_facts(config.model),
         )
         # validation.split: the held-out samples leave the training stream
         self.data = config.data.build(**data_kwargs, **config.validation.training_data_kwargs())
+        if pd.pp_enabled:  # before the model is built
+            check_microbatches(pd, config.parallelism.pipeline_schedule, self.data.micro_batches_per_step,
+                               tokens_per_microbatch=config.data.max_tokens_per_microbatch)  # fmt: skip
 
-        # 3. model: meta -> parallelize -> materialise -> init or load
+        # 3. model: meta -> (pipeline stages) -> parallelize -> materialise -> init or load
         with torch.device("meta"):
             model = config.model.build()
         self.lora_trainable: frozenset[str] = frozenset()
@@ -221,43 +232,71 @@ class Trainer(Configurable):
         self._log(f"model {config.model_spec}: {nparams:,} parameters, {self.flops_per_token:.3g} training FLOPs/token")
         if config.lora.enabled:
             self._log_lora(model)
-        model = self.spec.parallelize_fn(
-            model,
-            parallel_dims=self.parallel_dims,
-            training=config.training,
-            parallelism=config.parallelism,
-            ac_config=config.activation_checkpoint,
-            compile_config=config.compile,
-        )
-        model.to_empty(device=self.device)
-        self.model: nn.Module = model
+        self.pipeline: PipelineParallel | None = None
+        """Pipeline parallel (``--parallelism.pipeline_parallel_degree > 1``): this rank's stages and schedule."""
+        parts = [model]
+        if pd.pp_enabled:
+            self.pipeline = PipelineParallel(config.model, pd, config.parallelism,
+                                             seq_len=config.data.max_tokens_per_microbatch)  # fmt: skip
+            self._log(self.pipeline.describe())
+            parts = self.pipeline.parts
+            if config.lora.enabled:
+                for part in parts:
+                    freeze_lora_base(part, self.lora_trainable)
+        self.model_parts: list[nn.Module] = []
+        """This rank's model: the whole model, or (pipeline parallel) its stages, each parallelized on its own."""
+        for part in parts:
+            part = self.spec.parallelize_fn(
+                part,
+                parallel_dims=self.parallel_dims,
+                training=config.training,
+                parallelism=config.parallelism,
+                ac_config=config.activation_checkpoint,
+                compile_config=config.compile,
+            )
+            part.to_empty(device=self.device)
+            self.model_parts.append(part)
+        self.model: nn.Module = self.model_parts[0]
+        """The model (under pipeline parallel this rank's first stage; ``model_parts`` holds all of them)."""
         self.model_cls: type[BaseModel] = self.spec.model
         self._init_weights()
-        if config.lora.enabled:  # again on the parallelized model: no wrapper may have brought a base back
-            freeze_lora_base(self.model, self.lora_trainable)
-        self.model.train()
+        for part in self.model_parts:
+            if config.lora.enabled:  # again on the parallelized model: no wrapper may have brought a base back
+                freeze_lora_base(part, self.lora_trainable)
+            part.train()
 
         # 4. loss, optimizer, schedule, EMA
         self.loss_fn = config.loss.build()
-        self.optimizers = config.optimizer.build(model_parts=[self.model])
+        self.optimizers = config.optimizer.build(model_parts=self.model_parts)
         self.lr_schedulers = config.lr_scheduler.build(optimizers=self.optimizers, total_steps=config.training.steps)
-        self.ema = config.ema.build(model=self.model)
+        self.ema = config.ema.build(model=self.model_parts)
 
         # 5. checkpoints (resume from the newest complete one), metrics
         self.step = 0
         self.model_has_aux_loss: bool | None = None  # learnt from the first step's output
         self.mtp_config = getattr(config.model, "mtp", None)
         """The model's multi-token-prediction block (None = off): the batch gets MTP targets, the loss its term."""
+        if self.pipeline is not None:
+            self._step_loss: Any = None  # the step's loss function (``_pipeline_loss``), set by each train step
+            mp = config.training.mixed_precision_param
+            self.pipeline.attach(
+                self.model_parts, device=self.device, n_microbatches=self.data.micro_batches_per_step,
+                loss_fn=lambda out, mb: self._step_loss(ModelOutput.from_stage_output(out), mb),
+                compute_dtype=to_torch_dtype(mp, field="training.mixed_precision_param"), mtp=self.mtp_config is not None,
+            )  # fmt: skip
         self.validator = config.validation.build(
-            model=self.model, loss_fn=self.loss_fn, device=self.device, training_data=config.data,
+            model=self.model_parts, loss_fn=self.loss_fn, device=self.device, training_data=config.data,
             data_kwargs=data_kwargs, accepted_sources=self.spec.data_sources, prepare=self._prepare_micro_batch,
             forward=self._forward_micro_batch, to_device=self._to_device, loss_context=self._loss_parallel,
-            sum_over_ranks=self._sum_over_token_ranks, mtp=self.mtp_config is not None,
+            sum_over_ranks=self._sum_over_loss_ranks, mtp=self.mtp_config is not None,
+            # pipeline parallel: the validation micro-batches run through the schedule's forwards, a step's worth
+            run=self._pipeline_eval if self.pipeline is not None else None,
+            group_size=self.data.micro_batches_per_step if self.pipeline is not None else 1,
         )  # fmt: skip
         self.dump_folder = Path(config.dump_folder)
         self.checkpointer = config.checkpoint.build(
             dump_folder=self.dump_folder,
-            model_parts=[self.model],
+            model_parts=self.model_parts,
             optimizers=self.optimizers,
             lr_schedulers=self.lr_schedulers,
             states={"ema": self.ema},
@@ -323,6 +362,15 @@ class Trainer(Configurable):
     def _validate_model_layout(self) -> None:
         validate_model_layout(self.spec, self.config.model, self.parallel_dims)
 
+    def _check_pipeline_options(self, config: Config) -> None:
+        """What pipeline parallel does not run yet, refused before anything is built."""
+        if config.checkpoint.export_hf and config.lora.enabled:
+            raise ConfigError(
+                "--checkpoint.export_hf of a LoRA run (--lora.rank > 0) with --parallelism.pipeline_parallel_degree > 1 "
+                "is not supported yet: train with pipeline parallel, then export from the last checkpoint in a run "
+                "without it (the same command with --parallelism.pipeline_parallel_degree 1 --training.steps <last step>)"
+            )
+
     def _dp_coordinates(self) -> tuple[int, int]:
         pd = self.parallel_dims
         if pd.dp == 1:
@@ -351,15 +399,22 @@ class Trainer(Configurable):
         self._random_init()
 
     @torch.no_grad()
-    def _random_init(self) -> None:
-        nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+    def _random_init(self, parts: list[nn.Module] | None = None) -> None:
+        """Seeded random init of ``parts`` (default: every model part of this rank)."""
+        parts = self.model_parts if parts is None else parts
+        nbytes = sum(p.numel() * p.element_size() for part in self.model_parts for p in part.parameters())
         if nbytes <= _FULL_INIT_MAX_BYTES:
             full = self.config.model.build()
             full.init_weights()
-            set_model_state_dict(self.model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
-            _init_buffers(self.model)
+            whole = full.state_dict()
+            for part in parts:  # a pipeline stage takes its own entries of the whole model's
+                keys = {unwrapped_name(k) for k in part.state_dict()}
+                set_model_state_dict(part, {k: v for k, v in whole.items() if k in keys},
+                                     options=StateDictOptions(full_state_dict=True))  # fmt: skip
+                _init_buffers(part)
         else:
-            self.model.init_weights()
+            for part in parts:
+                part.init_weights()
 
     def _load_hf_weights(self, path: str) -> None:
         """Every rank reads only the slices of the HF folder that its own shards cover (in parallel; no
@@ -382,12 +437,13 @@ class Trainer(Configurable):
         comm = self.config.comm
         if distributed:
             set_pg_timeouts(comm.hf_load_timeout_seconds, self.parallel_dims.world_mesh)
-        self.spec.load_hf_weights(self.model, path, init_missing=self._random_init)
-        if self.config.lora.enabled:  # the folder holds the base; the adapters start as PEFT's, on any layout
-            init_adapters_(self.model, self.config.debug.seed)
+        for part in self.model_parts:  # a pipeline stage reads its own layers only
+            self.spec.load_hf_weights(part, path, init_missing=lambda part=part: self._random_init([part]))
+            if self.config.lora.enabled:  # the folder holds the base; the adapters start as PEFT's, on any layout
+                init_adapters_(part, self.config.debug.seed)
+            _init_buffers(part)
         if distributed:
             set_pg_timeouts(comm.init_timeout_seconds, self.parallel_dims.world_mesh)
-        _init_buffers(self.model)
         self._log(f"initialised from HF checkpoint {path}")
 
     def _lora_base_from_folder(self) -> bool:
@@ -454,7 +510,7 @@ class Trainer(Configurable):
                 stopped_early = self.validator.should_stop and not last
                 last = last or stopped_early
                 if self.checkpointer.should_save(self.step, last_step=last) or best:
-                    assert_finite(self.model)  # never write a poisoned checkpoint
+                    assert_finite(self.model_parts)  # never write a poisoned checkpoint
                     self.checkpointer.save(self.step, last_step=last, force=best, best=best)
                 profiler.step()
                 if stopped_early:
@@ -501,29 +557,41 @@ class Trainer(Configurable):
         aux_scale = 1.0 / (len(micro_batches) * self._token_ranks())
         names = self.data.source_names  # a mixture: per-source token losses for the metrics
         per_source = SourceLossMeter(names, device=self.device, ignore_index=cfg.loss.ignore_index) if names else None
-        n = len(micro_batches)
-        for i, mb in enumerate(micro_batches):
-            self._set_grad_sync(last=i == n - 1)
-            with self._loss_parallel():
-                out = self._forward_micro_batch(mb)
-                logits, aux_loss = split_output(out)
-                loss = self.loss_fn(logits, mb["labels"], num_tokens=global_tokens)
-                if per_source is not None:
-                    per_source.add(mb["labels"], mb["source_ids"], token_loss_sum=loss.detach() * global_tokens)
-                if aux_loss is not None:
-                    aux_sum += aux_loss.detach().float() * aux_scale
-                    loss = loss + aux_loss * aux_scale
-                objective = loss
-                if mtp is not None:  # token mean over the step's tokens that have a target two ahead
-                    mtp_loss = self.loss_fn(out.mtp_logits, mb["mtp_labels"], num_tokens=global_mtp)
-                    objective = loss + mtp.loss_weight * mtp_loss
-                    mtp_sum += mtp_loss.detach().float()
-                    mtp_correct += top1_correct(out.mtp_logits, mb["mtp_labels"], ignore_index=cfg.loss.ignore_index)
-                objective.backward()
-            loss_sum += loss.detach().float()
-        global_loss = self._sum_over_token_ranks(loss_sum).item()
+        acc = {"loss": loss_sum, "aux": aux_sum, "mtp": mtp_sum, "mtp_correct": mtp_correct}
+
+        def step_loss(out: Any, mb: dict[str, Any]) -> torch.Tensor:
+            """One micro-batch's share of the step's objective (inside ``_loss_parallel()``); accumulates the
+            metrics. Runs where the model's output is: every rank, or the last pipeline stage."""
+            logits, aux_loss = split_output(out)
+            loss = self.loss_fn(logits, mb["labels"], num_tokens=global_tokens)
+            if per_source is not None:
+                per_source.add(mb["labels"], mb["source_ids"], token_loss_sum=loss.detach() * global_tokens)
+            if aux_loss is not None:
+                acc["aux"] += aux_loss.detach().float() * aux_scale
+                loss = loss + aux_loss * aux_scale
+            objective = loss
+            if mtp is not None:  # token mean over the step's tokens that have a target two ahead
+                mtp_loss = self.loss_fn(out.mtp_logits, mb["mtp_labels"], num_tokens=global_mtp)
+                objective = loss + mtp.loss_weight * mtp_loss
+                acc["mtp"] += mtp_loss.detach().float()
+                acc["mtp_correct"] += top1_correct(out.mtp_logits, mb["mtp_labels"], ignore_index=cfg.loss.ignore_index)
+            acc["loss"] += loss.detach().float()
+            return objective
+
+        if self.pipeline is not None:
+            self._run_pipeline(micro_batches, step_loss)
+        else:
+            n = len(micro_batches)
+            for i, mb in enumerate(micro_batches):
+                self._set_grad_sync(last=i == n - 1)
+                with self._loss_parallel():
+                    step_loss(self._forward_micro_batch(mb), mb).backward()
+        loss_sum, aux_sum, mtp_sum, mtp_correct = acc["loss"], acc["aux"], acc["mtp"], acc["mtp_correct"]
+        global_loss = self._sum_over_loss_ranks(loss_sum).item()
+        pp_mesh = self.parallel_dims.mesh("pp")
         grad_norm = clip_grad_norm_(
-            [p for p in self.model.parameters() if p.requires_grad], cfg.training.max_norm
+            [p for part in self.model_parts for p in part.parameters() if p.requires_grad], cfg.training.max_norm,
+            other_parts=pp_mesh.get_group() if pp_mesh is not None else None,
         ).item()
         finite = math.isfinite(global_loss) and math.isfinite(grad_norm)
         if not finite:
@@ -539,19 +607,19 @@ class Trainer(Configurable):
         lr = self.lr_schedulers.get_last_lr()[0]
         self.lr_schedulers.step()
         if finite:
-            self.ema.update(self.model)
+            self.ema.update(self.model_parts)
         expert_load = self._expert_load_and_balance()
         extra = {"skipped": float(not finite), **self.data.metrics()}
         # share of the step's positions that carry loss (assistant-only chat data trains a fraction)
         extra["tokens/trained"] = global_tokens / max(global_inputs, 1.0)
         if per_source is not None:
-            extra.update(per_source.reduce(self._sum_over_token_ranks))  # loss/<name>
+            extra.update(per_source.reduce(self._sum_over_loss_ranks))  # loss/<name>
         if mtp is not None:  # loss/mtp is not part of `loss` (the LM loss); the objective adds it weighted
-            mtp_stats = self._sum_over_token_ranks(torch.stack([mtp_sum.double(), mtp_correct])).tolist()
+            mtp_stats = self._sum_over_loss_ranks(torch.stack([mtp_sum.double(), mtp_correct])).tolist()
             extra["loss/mtp"] = mtp_stats[0]
             extra["mtp/top1"] = mtp_stats[1] / max(global_mtp, 1.0)
         if self.model_has_aux_loss is not False:
-            aux = self._sum_over_token_ranks(aux_sum).item()
+            aux = self._sum_over_loss_ranks(aux_sum).item()
             self.model_has_aux_loss = self.model_has_aux_loss or aux != 0.0
             if self.model_has_aux_loss:
                 extra["aux_loss"] = aux
@@ -584,9 +652,12 @@ class Trainer(Configurable):
 
     def _forward_micro_batch(self, mb: dict[str, Any]) -> Any:
         """The model's output on one device micro-batch (call inside ``_loss_parallel()``)."""
+        return self.model(mb["input_ids"], **self._model_kwargs(mb))
+
+    def _model_kwargs(self, mb: dict[str, Any]) -> dict[str, Any]:
+        """The model's keyword inputs of a device micro-batch (every pipeline stage gets them all)."""
         inputs = {k: mb[k] for k in self.model_cls.input_keys if k in mb}
-        return self.model(
-            mb["input_ids"],
+        return dict(
             position_ids=mb["position_ids"],
             cu_seqlens=mb["cu_seqlens"],
             max_seqlen=mb["max_seqlen"],
@@ -595,6 +666,20 @@ class Trainer(Configurable):
             **inputs,
             **({"mtp_input_ids": mb["mtp_input_ids"]} if self.mtp_config is not None else {}),
         )
+
+    def _run_pipeline(self, micro_batches: list[dict[str, Any]], step_loss: Any, *, train: bool = True) -> None:
+        """One pass of the pipeline schedule over the step's micro-batches: stage 0 takes the token ids, every
+        stage the keyword inputs, the last stage ``step_loss(output, micro-batch)`` (forward and backward, or
+        forwards only)."""
+        pipeline = self.pipeline
+        args = [(mb["input_ids"],) if pipeline.has_first else () for mb in micro_batches]
+        kwargs = [self._model_kwargs(mb) for mb in micro_batches]
+        self._step_loss = step_loss
+        try:
+            with self._loss_parallel():
+                pipeline.step(args, kwargs, micro_batches if pipeline.has_last else None, train=train)
+        finally:
+            self._step_loss = None
 
     def _set_grad_sync(self, *, last: bool) -> None:
         set_gradient_reduction(
@@ -626,6 +711,22 @@ class Trainer(Configurable):
             return value.detach().clone() if torch.is_tensor(value) else torch.tensor(value, dtype=torch.float64)
         return dist_sum(value, group)
 
+    def _pipeline_eval(self, micro_batches: list[dict[str, Any]], take: Any) -> None:
+        """Validation through the pipeline: forwards only; ``take(output, micro-batch)`` on the last stage."""
+
+        def step_loss(out: Any, mb: dict[str, Any]) -> torch.Tensor:
+            take(out, mb)
+            return torch.zeros((), device=self.device)
+
+        self._run_pipeline(micro_batches, step_loss, train=False)
+
+    def _sum_over_loss_ranks(self, value: torch.Tensor | float) -> torch.Tensor:
+        """``_sum_over_token_ranks``, then (pipeline parallel) over the stages: the loss terms live on the last
+        stage only, so the sum hands every rank the step's values."""
+        total = self._sum_over_token_ranks(value)
+        pp = self.parallel_dims.mesh("pp")
+        return total if pp is None else dist_sum(total, pp.get_group())
+
     def _loss_parallel(self):
         if self.parallel_dims.loss_parallel_enabled:
             return CrossEntropyLoss.parallel_context(True)
@@ -641,7 +742,7 @@ class Trainer(Configurable):
         pd = self.parallel_dims
         mesh = pd.mesh("dp_cp", "tp") if pd.sp_enabled else pd.mesh("dp_cp")
         moe_group = None if mesh is None else (mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group())
-        for name, module in self.model.named_modules():
+        for name, module in (nm for part in self.model_parts for nm in part.named_modules()):
             pop = getattr(module, "pop_tokens_per_expert", None)
             if not callable(pop):
                 continue
@@ -651,6 +752,12 @@ class Trainer(Configurable):
             load[unwrapped_name(name)] = counts
             if rate > 0:
                 module.update_bias_correction(counts, rate)
+        pp = pd.mesh("pp")
+        if pp is not None:  # every stage's layers in the metrics (rank 0 logs them)
+            gathered: list[Any] = [None] * pd.pp
+            dist.all_gather_object(gathered, {k: v.cpu() for k, v in load.items()}, group=pp.get_group())
+            load = {k: v.to(self.device) for part in gathered for k, v in part.items()}
+            load = dict(sorted(load.items(), key=lambda kv: _layer_order(kv[0])))
         return load
 
     # ------------------------------------------------------------------ export / close
@@ -673,11 +780,13 @@ class Trainer(Configurable):
             raise NotImplementedError(
                 f"model spec {self.spec.name!r} has no HF exporter: set --checkpoint.export_hf False"
             )
-        ctx = self.ema.swap(self.model) if self.ema.enabled else nullcontext()
+        ctx = self.ema.swap(self.model_parts) if self.ema.enabled else nullcontext()
+        pp = self.parallel_dims.mesh("pp")
         # Write inside the swap: on the CPU the gathered tensors may alias the parameters, which the swap
-        # restores to the live weights on exit.
-        with ctx:
-            sd = get_model_state_dict(self.model)  # our names; sharded DTensors, nothing gathered yet
+        # restores to the live weights on exit. Pipeline parallel: every rank hands in its own stages' tensors,
+        # and each stage's ranks write that stage's files (``hf_storage.pipeline_stages``).
+        with ctx, pipeline_stages(pp.get_group() if pp is not None else None):
+            sd = {k: v for part in self.model_parts for k, v in get_model_state_dict(part).items()}  # sharded, ungathered
             dtype = to_torch_dtype(self.config.checkpoint.export_dtype, field="checkpoint.export_dtype")
             folders = [Path(path)]
             if self.config.lora.enabled:  # path/adapter (PEFT), adapter_vllm, merged: protocols/hf_lora.py
@@ -745,6 +854,11 @@ def validate_model_layout(spec: ModelSpec, model_config: Any, parallel_dims: Par
         n_kv_heads=getattr(attn, "n_kv_heads", None),
         n_routed_experts=moe.num_experts if moe is not None else None,
     )
+
+
+def _layer_order(name: str) -> tuple:
+    """Sort key of a module name: ``layers.10`` after ``layers.9`` (numbers compared as numbers)."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split("."))
 
 
 @torch.no_grad()

@@ -10,7 +10,7 @@ elementwise on local shards and needs no communication, and DCP saves the shadow
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +22,10 @@ from hyper_parallel.config.configurable import Configurable
 __all__ = ["EMA"]
 
 
-def _trainable(model: nn.Module) -> dict[str, nn.Parameter]:
-    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+def _trainable(model: nn.Module | Sequence[nn.Module]) -> dict[str, nn.Parameter]:
+    """Trainable parameters by name; of several model parts (pipeline stages: their names never collide) all."""
+    parts = [model] if isinstance(model, nn.Module) else list(model)
+    return {n: p for part in parts for n, p in part.named_parameters() if p.requires_grad}
 
 
 class EMA(Configurable):
@@ -40,7 +42,7 @@ class EMA(Configurable):
         update_every: int = 1
         """Update the EMA every this many optimizer steps."""
 
-    def __init__(self, config: Config, *, model: nn.Module) -> None:
+    def __init__(self, config: Config, *, model: nn.Module | Sequence[nn.Module]) -> None:
         super().__init__(config)
         self.config: EMA.Config = config
         if not 0.0 <= config.decay < 1.0:
@@ -58,7 +60,7 @@ class EMA(Configurable):
     def enabled(self) -> bool:
         return self.config.decay > 0.0
 
-    def _params(self, model: nn.Module) -> dict[str, nn.Parameter]:
+    def _params(self, model: nn.Module | Sequence[nn.Module]) -> dict[str, nn.Parameter]:
         params = _trainable(model)
         if params.keys() != self.shadow.keys():
             missing, extra = sorted(self.shadow.keys() - params.keys()), sorted(params.keys() - self.shadow.keys())
@@ -66,7 +68,7 @@ class EMA(Configurable):
         return params
 
     @torch.no_grad()
-    def update(self, model: nn.Module) -> bool:
+    def update(self, model: nn.Module | Sequence[nn.Module]) -> bool:
         """Call after each optimizer step; returns whether the shadows were updated."""
         if not self.enabled:
             return False
@@ -79,13 +81,13 @@ class EMA(Configurable):
         return True
 
     @torch.no_grad()
-    def copy_to(self, model: nn.Module) -> None:
+    def copy_to(self, model: nn.Module | Sequence[nn.Module]) -> None:
         """Overwrite ``model``'s trainable parameters with the EMA weights."""
         for name, p in self._params(model).items():
             p.copy_(self.shadow[name])
 
     @contextlib.contextmanager
-    def swap(self, model: nn.Module) -> Iterator[nn.Module]:
+    def swap(self, model: nn.Module | Sequence[nn.Module]) -> Iterator[nn.Module]:
         """Inside the block the model holds the EMA weights; the training weights come back after."""
         if not self.enabled:
             yield model

@@ -144,15 +144,23 @@ class Validator(Configurable):
         loss_context: Callable[[], AbstractContextManager[Any]],
         sum_over_ranks: Callable[[torch.Tensor], torch.Tensor],
         mtp: bool = False,
+        run: Callable[[list[dict[str, Any]], Callable[[Any, dict[str, Any]], None]], None] | None = None,
+        group_size: int = 1,
     ) -> None:
         """The trainer's pieces: ``prepare`` (host side of a micro-batch: MTP targets, CP split), ``forward``
         (a device micro-batch -> the model output), ``to_device``, ``loss_context`` (loss parallel),
-        ``sum_over_ranks`` (over the ranks that hold different tokens); ``data_kwargs`` are the training
-        loader's build arguments (DP coordinates, sequence multiple, model facts)."""
+        ``sum_over_ranks`` (over the ranks that hold different tokens, and the pipeline stages); ``data_kwargs``
+        are the training loader's build arguments (DP coordinates, sequence multiple, model facts). ``model``
+        may be several parts (pipeline stages). ``run(micro_batches, take)``: the model on ``group_size``
+        device micro-batches at a time, handing each output to ``take(output, micro_batch)`` where it is (the
+        last pipeline stage); None: ``forward`` one at a time."""
         super().__init__(config)
         self.config: Validator.Config = config
         config.check()
-        self.model, self.loss_fn, self.device = model, loss_fn, device
+        self.parts = [model] if isinstance(model, torch.nn.Module) else list(model)
+        self.model, self.loss_fn, self.device = self.parts[0], loss_fn, device
+        self.run = run if run is not None else lambda mbs, take: [take(self.forward(mb), mb) for mb in mbs]
+        self.group_size = group_size
         self.prepare, self.forward, self.to_device = prepare, forward, to_device
         self.loss_context, self.sum_over_ranks, self.mtp = loss_context, sum_over_ranks, mtp
         self.ignore_index = loss_fn.config.ignore_index
@@ -236,12 +244,14 @@ class Validator(Configurable):
         """The validation metrics of the current weights (no gradients; collective over every rank)."""
         rng = get_rng_state()
         was_training = self.model.training
-        self.model.eval()
+        for part in self.parts:
+            part.eval()
         try:
             return self._evaluate()
         finally:
             self._drop_router_counts()
-            self.model.train(was_training)
+            for part in self.parts:
+                part.train(was_training)
             set_rng_state(rng)
 
     def _evaluate(self) -> dict[str, float]:
@@ -249,29 +259,42 @@ class Validator(Configurable):
         sums = torch.zeros(5, dtype=torch.float64, device=self.device)
         names = self.source_names
         meter = SourceLossMeter(names, device=self.device, ignore_index=self.ignore_index) if names else None
+
+        def take(out: Any, mb: dict[str, Any]) -> None:
+            logits, _ = split_output(out)  # the aux loss is not part of the validation loss
+            loss_sum, count = self.loss_fn.sum_and_count(logits, mb["labels"])
+            sums[0] += loss_sum.detach().double()
+            sums[1] += count.double()
+            if meter is not None:
+                meter.add(mb["labels"], mb["source_ids"], token_loss_sum=loss_sum.detach())
+            if self.mtp:
+                mtp_sum, mtp_count = self.loss_fn.sum_and_count(out.mtp_logits, mb["mtp_labels"])
+                sums[2] += mtp_sum.detach().double()
+                sums[3] += mtp_count.double()
+                sums[4] += top1_correct(out.mtp_logits, mb["mtp_labels"], ignore_index=self.ignore_index)
+
         for stream in self.streams:
             loader = stream.loader
             loader.load_state_dict(stream.start)
             ranks = loader.dp_world_size
-            for k in range(math.ceil(stream.total / ranks)):
-                (mb,) = loader.next_step()
-                mb = stream.finish(mb)
-                if k * ranks + self.dp_rank >= stream.total:  # past the end: same forwards, no tokens
+            # rounds of group_size micro-batches per rank (one pipeline step each): past the data's end the same
+            # forwards run on a copy without tokens
+            n = math.ceil(stream.total / ranks)
+            group: list[dict[str, Any]] = []
+            last: dict[str, Any] = {}
+            for k in range(-(-n // self.group_size) * self.group_size):
+                if k < n:
+                    (mb,) = loader.next_step()
+                    mb = last = stream.finish(mb)
+                else:
+                    mb = last
+                if k * ranks + self.dp_rank >= stream.total:
                     mb = {**mb, "labels": torch.full_like(mb["labels"], self.ignore_index)}
-                mb = self.to_device(self.prepare(mb))
-                with self.loss_context():
-                    out = self.forward(mb)
-                    logits, _ = split_output(out)  # the aux loss is not part of the validation loss
-                    loss_sum, count = self.loss_fn.sum_and_count(logits, mb["labels"])
-                    sums[0] += loss_sum.detach().double()
-                    sums[1] += count.double()
-                    if meter is not None:
-                        meter.add(mb["labels"], mb["source_ids"], token_loss_sum=loss_sum.detach())
-                    if self.mtp:
-                        mtp_sum, mtp_count = self.loss_fn.sum_and_count(out.mtp_logits, mb["mtp_labels"])
-                        sums[2] += mtp_sum.detach().double()
-                        sums[3] += mtp_count.double()
-                        sums[4] += top1_correct(out.mtp_logits, mb["mtp_labels"], ignore_index=self.ignore_index)
+                group.append(self.to_device(self.prepare(mb)))
+                if len(group) == self.group_size:
+                    with self.loss_context():
+                        self.run(group, take)
+                    group = []
         loss, tokens, mtp_loss, mtp_tokens, mtp_hits = self.sum_over_ranks(sums).tolist()
         mean = loss / max(tokens, 1.0)
         record = {"val/loss": mean, "val/ppl": math.exp(min(mean, 700.0)), "val/tokens": tokens}
@@ -285,7 +308,7 @@ class Validator(Configurable):
 
     def _drop_router_counts(self) -> None:
         """Validation tokens must not reach the MoE bias update or the expert-load metrics of the next step."""
-        for module in self.model.modules():
+        for module in (m for part in self.parts for m in part.modules()):
             pop = getattr(module, "pop_tokens_per_expert", None)
             if callable(pop):
                 pop()

@@ -42,8 +42,14 @@ def mixed_precision_policy(training: TrainingConfig) -> MixedPrecisionPolicy:
     )
 
 
-def reshard_policy(mode: Literal["default", "always", "never"]) -> bool | None:
-    """``--parallelism.fsdp_reshard_after_forward`` -> ``fully_shard(reshard_after_forward=...)``."""
+def reshard_policy(mode: Literal["default", "always", "never"], *, pipeline: bool = False) -> bool | None:
+    """``--parallelism.fsdp_reshard_after_forward`` -> ``fully_shard(reshard_after_forward=...)``.
+
+    Under pipeline parallel ``default`` keeps the parameters unsharded between a stage's forwards and backwards
+    (torchtitan's default): its micro-batches interleave, so resharding would all-gather every unit again for
+    each; and the zero-bubble schedules compute weight gradients against the parameters the forward used."""
+    if pipeline and mode == "default":
+        return False
     return {"default": None, "always": True, "never": False}[mode]
 
 

@@ -1,6 +1,10 @@
 """``ParallelDims``: the degrees of a run, checked against the world size and the model, and its mesh.
 
-Mesh axes are ``dp_replicate, dp_shard, cp, tp`` (outermost first). Expert parallel borrows its
+Mesh axes are ``pp, dp_replicate, dp_shard, cp, tp`` (outermost first). Pipeline parallel (``pp``) is the
+outermost: every view below lives inside one pipeline rank group (its axes get ``pp`` in front when it is
+on), so FSDP, TP, EP and CP apply inside each stage exactly as without it; ``mesh("pp")`` links the stages.
+
+Expert parallel borrows its
 degree from ``dp_shard x cp``: the ranks that hold different sequence/data shards of the dense model
 hold different experts. Routed experts see only the tokens of their rank (under TP the MoE runs on
 the rank's sequence shard), so every rank of ``dp_shard x cp x tp`` routes different tokens, and
@@ -72,6 +76,10 @@ class ParallelDims:
     tp: int
     ep: int
     world_size: int
+    pp: int = 1
+    """Pipeline parallel degree (``pipeline_parallel_degree``): rank groups that hold different layers."""
+    pp_stages_per_rank: int = 1
+    """Pipeline stages per pp rank (``pipeline_stages_per_rank``): ``pp x this`` stages in all."""
     cp_inner: int = 1
     """Hybrid context parallel: Ulysses degree inside the CP group (``context_parallel_ulysses_degree``)."""
     enable_sequence_parallel: bool = True
@@ -95,23 +103,34 @@ class ParallelDims:
         dp_shard = p.data_parallel_shard_degree
         if dp_shard == 0 or dp_shard < -1:
             raise ConfigError(f"{_P}data_parallel_shard_degree is {dp_shard}; use -1 (the rest of the world) or >= 1")
-        others = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree
+        pp, spr = p.pipeline_parallel_degree, p.pipeline_stages_per_rank
+        if pp < 1:
+            raise ConfigError(f"{_P}pipeline_parallel_degree is {pp}; it must be >= 1")
+        cls._check_schedule(p.pipeline_schedule, spr, pp)
+        if pp > 1 and p.pipeline_schedule == "ZBVZeroBubble" and p.fsdp_reshard_after_forward == "always":
+            raise ConfigError(
+                f"{_P}pipeline_schedule ZBVZeroBubble computes weight gradients apart from input gradients, against "
+                f"the parameters the forward used, which {_P}fsdp_reshard_after_forward always frees: set it to "
+                "default (never under pipeline parallel) or never"
+            )
+        others = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree * pp
         if dp_shard == -1:
             if world_size % others:
                 raise ConfigError(
-                    f"data_parallel_replicate_degree ({p.data_parallel_replicate_degree}) x context_parallel_degree "
-                    f"({p.context_parallel_degree}) x tensor_parallel_degree ({p.tensor_parallel_degree}) = {others} "
-                    f"does not divide the world size {world_size}: change these degrees so their product divides "
-                    f"{world_size} (data_parallel_shard_degree=-1 takes the rest)"
+                    f"pipeline_parallel_degree ({pp}) x data_parallel_replicate_degree "
+                    f"({p.data_parallel_replicate_degree}) x context_parallel_degree ({p.context_parallel_degree}) x "
+                    f"tensor_parallel_degree ({p.tensor_parallel_degree}) = {others} does not divide the world size "
+                    f"{world_size}: change these degrees so their product divides {world_size} "
+                    "(data_parallel_shard_degree=-1 takes the rest)"
                 )
             dp_shard = world_size // others
         total = others * dp_shard
         if total != world_size:
             raise ConfigError(
-                f"data_parallel_replicate_degree ({p.data_parallel_replicate_degree}) x data_parallel_shard_degree "
-                f"({dp_shard}) x context_parallel_degree ({p.context_parallel_degree}) x tensor_parallel_degree "
-                f"({p.tensor_parallel_degree}) = {total}, but the world size is {world_size}: change the degrees "
-                f"(or set {_P}data_parallel_shard_degree -1 to take the rest)"
+                f"pipeline_parallel_degree ({pp}) x data_parallel_replicate_degree ({p.data_parallel_replicate_degree}) "
+                f"x data_parallel_shard_degree ({dp_shard}) x context_parallel_degree ({p.context_parallel_degree}) x "
+                f"tensor_parallel_degree ({p.tensor_parallel_degree}) = {total}, but the world size is {world_size}: "
+                f"change the degrees (or set {_P}data_parallel_shard_degree -1 to take the rest)"
             )
         u, cp = p.context_parallel_ulysses_degree, p.context_parallel_degree
         if u < 1 or cp % u:
@@ -139,10 +158,40 @@ class ParallelDims:
             tp=p.tensor_parallel_degree,
             ep=ep,
             world_size=world_size,
+            pp=pp,
+            pp_stages_per_rank=spr,
             cp_inner=u,
             enable_sequence_parallel=p.enable_sequence_parallel,
             enable_loss_parallel=p.enable_loss_parallel,
         )
+
+    @staticmethod
+    def _check_schedule(schedule: str, stages_per_rank: int, pp: int) -> None:
+        """The schedule's stages per rank: 1F1B/GPipe one, Interleaved1F1B several, ZBVZeroBubble two (a V)."""
+        want = {"1F1B": "1", "GPipe": "1", "Interleaved1F1B": ">= 2", "ZBVZeroBubble": "2"}
+        if schedule not in want:
+            raise ConfigError(f"{_P}pipeline_schedule is {schedule!r}; use one of {', '.join(want)}")
+        ok = {"1": stages_per_rank == 1, ">= 2": stages_per_rank >= 2, "2": stages_per_rank == 2}[want[schedule]]
+        if pp > 1 and not ok:
+            raise ConfigError(
+                f"{_P}pipeline_schedule {schedule} runs {want[schedule]} stage(s) per rank, but "
+                f"{_P}pipeline_stages_per_rank is {stages_per_rank}: set it to {want[schedule].lstrip('>= ')}"
+                + (" or more" if want[schedule].startswith(">") else "")
+            )
+        if pp == 1 and stages_per_rank != 1:
+            raise ConfigError(
+                f"{_P}pipeline_stages_per_rank is {stages_per_rank} without pipeline parallel: set "
+                f"{_P}pipeline_parallel_degree > 1, or pipeline_stages_per_rank 1"
+            )
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in all: ``pp x pp_stages_per_rank`` (1 without pipeline parallel)."""
+        return self.pp * self.pp_stages_per_rank
 
     def validate_model(
         self,
@@ -275,7 +324,7 @@ class ParallelDims:
         sizes = {
             "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp,
             "ep": self.ep, "dp": self.dp, "dp_shard_cp": self.dp_shard_cp, "efsdp": self.efsdp,
-            "dp_cp": self.dp * self.cp,
+            "dp_cp": self.dp * self.cp, "pp": self.pp,
             "cp_inner": self.cp_inner if self.hybrid_cp else 1, "cp_outer": self.cp_outer if self.hybrid_cp else 1,
             "world": self.world_size,
         }  # fmt: skip
@@ -301,7 +350,10 @@ class ParallelDims:
                 continue  # routed experts then share the dense FSDP mesh: no extra groups
             if view == "cp_hybrid" and not self.hybrid_cp:
                 continue
-            kept = tuple(n for n in names if self.degree(n) > 1 or n in _ALWAYS_BUILT)
+            # pp outermost in every view: each view's groups lie inside one pipeline rank group
+            kept = (("pp",) if self.pp > 1 else ()) + tuple(
+                n for n in names if self.degree(n) > 1 or n in _ALWAYS_BUILT
+            )
             if kept:
                 self._meshes[view] = world._unflatten(0, tuple(self.degree(n) for n in kept), kept)
         return world
@@ -342,6 +394,7 @@ class ParallelDims:
         if "sparse" not in self._meshes:  # no EP, no TP: efsdp is dp_shard_cp
             names = ["dp_shard_cp" if n == "efsdp" else n for n in names]
         for view, view_names in _VIEWS.items():
+            view_names = ("pp", *view_names)
             if view in self._meshes and all(n in view_names for n in names):
                 if sorted(names, key=view_names.index) != names:
                     raise ValueError(f"mesh axes {requested} must be given outermost first: {view_names}")
@@ -380,7 +433,7 @@ class ParallelDims:
         return 0 if mesh is None else mesh.get_local_rank()
 
     def __str__(self) -> str:
-        parts = [f"{n}={self.degree(n)}" for n in ("dp_replicate", "dp_shard", "cp", "tp", "ep")]
+        parts = [f"{n}={self.degree(n)}" for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")][self.pp == 1 :]
         if self.hybrid_cp:
             parts.insert(3, f"cp_inner={self.cp_inner}")
         return f"ParallelDims({', '.join(parts)}, world={self.world_size})"

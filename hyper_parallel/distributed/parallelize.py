@@ -167,8 +167,16 @@ def parallelize_decoder(
     LoRA base) are FSDP-sharded and stored in the compute dtype (``store_frozen_in_param_dtype``).
     """
     pd = parallel_dims
-    layers = list(layers)
+    # A pipeline stage holds a part of the model: the parts it does not hold are None, and their declared
+    # placements go (the kept layers keep their FQNs, so the rest of the declarations apply unchanged).
+    layers = [m for m in layers if m is not None]
+    embeddings = [m for m in embeddings if m is not None]
+    head = [m for m in head if m is not None]
+    cast_input_modules = [m for m in cast_input_modules if m is not None]
     ignored_params = list(ignored_params)
+    if getattr(model, "pipeline_stage", None) is not None:
+        held = {name for name, _ in model.named_modules()}
+        declared = {fqn: sc for fqn, sc in declared.items() if fqn in held}
 
     # 1. context parallel around every sequence core: Ulysses all-to-all over heads where they divide, else
     # K/V all-gather (attention) or state passing (Gated DeltaNet); chosen per core and logged
@@ -190,7 +198,8 @@ def parallelize_decoder(
     # 4. expert parallel
     if pd.ep_enabled:
         sharded = apply_sharding_configs(model, pd, MeshAxisName.EP, declared)
-        if not sharded:
+        # (a pipeline stage may hold dense layers only; the layout check saw the whole model's experts)
+        if not sharded and getattr(model, "pipeline_stage", None) is None:
             raise ValueError("expert_parallel_degree > 1 but the model declares no expert-parallel placements")
         apply_expert_parallel_dispatch(model, pd.mesh("ep"))
 
@@ -203,7 +212,7 @@ def parallelize_decoder(
     apply_compile(layers, compile_config)
 
     # 6. FSDP2 / HSDP
-    reshard = reshard_policy(parallelism.fsdp_reshard_after_forward)
+    reshard = reshard_policy(parallelism.fsdp_reshard_after_forward, pipeline=pd.pp_enabled)
     dense_mesh, expert_mesh = pd.fsdp_mesh(), pd.efsdp_mesh()
     # Parameters whose gradients differ across tp ranks reduce over a mesh that includes tp: replicated
     # weights inside TP blocks (partial activation gradients) and, as the MoE runs on the rank's sequence
@@ -211,7 +220,6 @@ def parallelize_decoder(
     tp_partial = {id(m) for m in _tp_partial_param_modules(model, declared)} if pd.tp_enabled else set()
     separate_moe = pd.ep_enabled or pd.tp_enabled
     # Tied embedding and head share one parameter: one FSDP unit for both, sharded where the head is.
-    head = list(head)
     units = tied_groups([*embeddings, *head])
     head_units = [u for u in units if any(m in head for m in u)]
     for unit in units:

@@ -34,11 +34,14 @@ def clip_grad_norm_(
     *,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    other_parts: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Clip gradients in place to a global ``norm_type`` norm of ``max_norm``; return the total norm.
 
     ``max_norm <= 0`` only measures. The returned norm is a plain fp32 tensor, equal on every rank.
-    Plain-tensor gradients are taken as replicated (every rank holds the same values).
+    Plain-tensor gradients are taken as replicated (every rank holds the same values). ``other_parts``: the
+    group of ranks holding the model's other parts (pipeline stages): their norms join this one (every rank of
+    it must call, with gradients or without).
     """
     params = [p for p in parameters if p.grad is not None]
     groups: dict[tuple, list[torch.Tensor]] = {}
@@ -51,20 +54,32 @@ def clip_grad_norm_(
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()  # reduces the Partial norm over the group's mesh
         norms.append(norm.float())
-    if not norms:
+    if not norms and other_parts is None:
         return torch.tensor(0.0)
-    device = norms[0].device
-    stacked = torch.stack([n.to(device) for n in norms])
+    device = norms[0].device if norms else _group_device(other_parts)
+    stacked = torch.stack([n.to(device) for n in norms]) if norms else torch.zeros(1, device=device)
     if math.isinf(norm_type):
         total = stacked.max()
+        if other_parts is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=other_parts)
     else:
-        total = stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+        total = stacked.pow(norm_type).sum()
+        if other_parts is not None:
+            dist.all_reduce(total, group=other_parts)
+        total = total.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total gradient norm is {total.item()}: a NaN/inf gradient")
     if max_norm > 0:
         for group in groups.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach)
     return total
+
+
+def _group_device(group: dist.ProcessGroup) -> torch.device:
+    """A device the group's backend communicates on (gloo: the CPU)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _as_reducible(value: torch.Tensor | float) -> torch.Tensor:

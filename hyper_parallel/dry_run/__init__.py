@@ -21,6 +21,11 @@ With ``--lora.rank`` the model is ``apply_lora`` of the resolved one and its bas
 in the Trainer: the census counts the frozen base once in the dtype it is stored in, with no gradient or optimizer
 state, and the report adds a LoRA line (``lora_memory.py``).
 
+With ``--parallelism.pipeline_parallel_degree P`` every pipeline rank group builds and parallelizes its own stage
+models (``Decoder.restrict_to_stage`` of the trainer's split), the census counts each rank's own stage, every group's
+step is simulated on its stages, and the report adds the per-stage table, the schedule's bubble and the p2p bytes
+(``pipeline.py``); the advice can name a pipeline degree whose stages would fit.
+
 Nothing here names a model: everything comes from the registered ``ModelSpec`` and the config.
 """
 
@@ -42,6 +47,7 @@ from hyper_parallel.dry_run.advice import fit_advice
 from hyper_parallel.dry_run.hf_memory import hf_io_memory
 from hyper_parallel.dry_run.layout import ParamLayout, ShardCensus, optimizer_state_layout, param_layouts, rank_memory
 from hyper_parallel.dry_run.lora_memory import lora_memory
+from hyper_parallel.dry_run.pipeline import PipelinePlan, build_stage_parts, pipeline_plan, simulate_pipeline_rank
 from hyper_parallel.dry_run.report import CommVolume, DryRunReport, format_report
 from hyper_parallel.dry_run.simulation import SimulationMode
 from hyper_parallel.dry_run.step import (
@@ -98,7 +104,9 @@ def dry_run(
     validate_layout(spec, config, pd)
     layers = list(getattr(config.model, "layers", None) or [])
     plan = layer_plan(layers, full=full_depth, buildable=builds_at_depth(config))
-    census, layouts = _static_census(spec, config, pd, plan, world_size)
+    n_micro = micro_batches_per_step(config, pd)
+    pipe = pipeline_plan(config, pd, n_micro) if pd.pp_enabled else None
+    census, layouts = _static_census(spec, config, pd, plan, world_size, pipe)
     tc, ac = config.training, config.activation_checkpoint
     report = DryRunReport(
         title=title or config.model_spec,
@@ -109,7 +117,7 @@ def dry_run(
         distinct_shard_numel=census.distinct_shard_numel,
         replicated_numel=census.replicated_numel,
         ranks=census.ranks,
-        micro_batches_per_step=micro_batches_per_step(config, pd),
+        micro_batches_per_step=n_micro,
         tokens_per_micro_batch=config.data.max_tokens_per_microbatch,
         settings=(
             f"compute {tc.mixed_precision_param}, gradient reduce {tc.mixed_precision_reduce}, activation "
@@ -130,7 +138,11 @@ def dry_run(
     )  # fmt: skip
     if config.compile.enable:
         report.notes.append("torch.compile is not simulated: the step ran eagerly (compiled kernels may need less)")
-    if simulate:
+    if pipe is not None:
+        report.pipeline = pipe
+        if simulate:
+            _simulate_pipeline(spec, config, pd, pipe, report, world_size)
+    elif simulate:
         # Simulate the rank with the most static memory (ties: the lowest), e.g. the one with the most experts.
         rank = max(census.ranks, key=lambda m: (m.static, -m.rank)).rank
         with fake_world(world_size, rank=rank):
@@ -159,25 +171,92 @@ def dry_run(
     return report
 
 
+def _simulate_pipeline(
+    spec: ModelSpec, config: Trainer.Config, pd: ParallelDims, pipe: PipelinePlan, report: DryRunReport,
+    world_size: int,
+) -> None:
+    """Simulate every pipeline rank group's step as its fullest rank; the report's peak and collectives are those
+    of the group with the highest estimated peak."""
+    comm: dict[int, list[CommVolume]] = {}
+    for group in pipe.ranks:
+        rank = group.worst.rank
+        with fake_world(world_size, rank=rank):
+            pd.build_mesh(MESH_DEVICE)
+            labels = axis_labels(pd)
+            simulate_pipeline_rank(spec, config, pd, pipe, group.pp_rank)
+        comm[group.pp_rank] = [
+            CommVolume(kind, labels.get(name, f"group {name}"), size, calls, nbytes)
+            for (kind, name, size), (calls, nbytes) in group.comm.items()
+        ]
+    pipe.method = (
+        "simulated: every pp rank's stage models (restrict_to_stage) stepped one micro-batch at a time, all their "
+        "layers, then the schedule's micro-batches in flight added"
+    )
+    top = max(pipe.ranks, key=lambda g: (g.peak, -g.pp_rank))
+    report.simulated_rank = top.worst.rank
+    report.depths = (sum(len(pipe.spans[s].layers) for s in top.stages),)
+    buffers = top.recv_buffers - top.received
+    report.peak = {"Step (one micro-batch at a time)": top.step_peak, "Pipeline receive buffers": buffers,
+                   "Further micro-batches in flight": top.peak - top.step_peak - buffers, "Total": top.peak}  # fmt: skip
+    report.notes.append(
+        "pipeline stages after the first are simulated on fake hidden states of the boundary's shape; the schedule's "
+        "own bookkeeping (besides its receive buffers) is not counted"
+    )
+    report.comm = comm[top.pp_rank]
+
+
 def _static_census(
-    spec: ModelSpec, config: Trainer.Config, pd: ParallelDims, plan: LayerPlan, world_size: int
+    spec: ModelSpec, config: Trainer.Config, pd: ParallelDims, plan: LayerPlan, world_size: int,
+    pipe: PipelinePlan | None = None,
 ) -> tuple[ShardCensus, list[ParamLayout]]:
-    """Every rank's parameter, gradient and optimizer bytes, from the model parallelized (on meta) as rank 0;
-    and the parameters' layouts."""
+    """Every rank's parameter, gradient and optimizer bytes, from the model parallelized (on meta) as rank 0 (with
+    pipeline parallel: every pp rank group's stage models, as a rank of that group); and the parameters' layouts."""
+    groups: list[list[ParamLayout]] = []
+    if pipe is not None:
+        for group in pipe.ranks:
+            with fake_world(world_size, rank=group.ranks.start), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+                pd.build_mesh(MESH_DEVICE)
+                groups.append([p for part in build_stage_parts(spec, config, pd, pipe, group.pp_rank)
+                               for p in param_layouts(part)])  # fmt: skip
     with fake_world(world_size, rank=0), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
         pd.build_mesh(MESH_DEVICE)
-        layouts = param_layouts(build_parallel_model(spec, config, pd))
+        layouts = param_layouts(build_parallel_model(spec, config, pd)) if pipe is None else []
         # The optimizer's state layout per parameter, read after one real optimizer step on a fake copy; a deep
         # model steps its shallow copy (layers repeat, see LayerPlan) and deeper layers take their repeat's layout.
         model = build_parallel_model(spec, config, pd, model_config_at_depth(config, plan.depths[0]))
         with FakeTensorMode(allow_non_fake_inputs=True), SimulationMode():
             state = optimizer_state_layout(model, materialize_with_optimizer(model, config))
+    if pipe is not None:
+        return _pipeline_census(groups, pipe, plan, state, world_size)
     trainable = {p.fqn: plan.representative(p.fqn) for p in layouts if p.trainable}
     missing = [fqn for fqn, rep in trainable.items() if rep not in state]
     if missing:
         raise RuntimeError(f"the optimizer kept no state for the trainable parameters {missing[:4]}")
     return rank_memory(layouts, world_size, {fqn: state[rep] for fqn, rep in trainable.items()}), layouts
+
+
+def _pipeline_census(
+    groups: list[list[ParamLayout]], pipe: PipelinePlan, plan: LayerPlan, state: dict, world_size: int
+) -> tuple[ShardCensus, list[ParamLayout]]:
+    """The census of every pp rank group from its stage models' layouts: each global rank takes its own group's."""
+    ranks = []
+    model = distinct = largest = 0
+    for group, layouts in zip(pipe.ranks, groups, strict=True):
+        trainable = {p.fqn: plan.representative(p.fqn) for p in layouts if p.trainable}
+        missing = [fqn for fqn, rep in trainable.items() if rep not in state]
+        if missing:
+            raise RuntimeError(f"the optimizer kept no state for the trainable parameters {missing[:4]}")
+        census = rank_memory(layouts, world_size, {fqn: state[rep] for fqn, rep in trainable.items()})
+        ranks += [census.ranks[r] for r in group.ranks]
+        group.worst = max((census.ranks[r] for r in group.ranks), key=lambda m: (m.static, -m.rank))
+        model += census.model_numel
+        distinct += census.distinct_shard_numel
+        largest = max(largest, census.largest_numel)
+    census = ShardCensus(ranks=ranks, model_numel=model, distinct_shard_numel=distinct,
+                         replicated_numel=sum(m.local_numel for m in ranks), largest_numel=largest)  # fmt: skip
+    return census, [p for layouts in groups for p in layouts]
 
 
 def _pop(args: list[str], name: str, *, flag: bool = False) -> str | None:

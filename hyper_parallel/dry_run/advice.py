@@ -8,7 +8,7 @@ from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.dry_run.report import GIB, DryRunReport
 from hyper_parallel.trainer import Trainer
 
-__all__ = ["fit_advice", "fitting_cp_degree"]
+__all__ = ["fit_advice", "fitting_cp_degree", "fitting_pp_degree"]
 
 _P = "--parallelism."
 
@@ -23,6 +23,26 @@ def fitting_cp_degree(pd: ParallelDims, activations: float, room: float) -> int 
     for cp in range(pd.cp + 1, span + 1):
         if span % cp == 0 and activations * pd.cp / cp <= room:
             return cp
+    return None
+
+
+def fitting_pp_degree(pd: ParallelDims, static: float, room: float, num_layers: int) -> tuple[int, int, int] | None:
+    """``(pp, dp_replicate, world)`` of the smallest pipeline degree above ``pd.pp`` whose fullest stage's static
+    memory fits in ``room`` bytes, assuming it scales as ``pd.pp / pp`` (each stage holds ``1/pp`` of the layers,
+    spread evenly; the ranks of a stage shard it as now); None when none does (or ``room <= 0``).
+
+    HSDP replicas become stages first (the same ranks: ``dp_replicate`` shrinks by ``pp / pd.pp``); then more ranks
+    (every pipeline rank group as now), at most one stage per layer."""
+    if room <= 0 or static <= 0:
+        return None
+    replicas = pd.pp * pd.dp_replicate
+    for pp in range(pd.pp + 1, min(replicas, num_layers) + 1):
+        if replicas % pp == 0 and pp % pd.pp == 0 and static * pd.pp / pp <= room:
+            return pp, replicas // pp, pd.world_size
+    group = pd.world_size // pd.pp
+    for pp in range(2 * pd.pp, num_layers + 1, pd.pp):
+        if static * pd.pp / pp <= room:
+            return pp, pd.dp_replicate, pp * group
     return None
 
 
@@ -61,6 +81,18 @@ def _static_knobs(report: DryRunReport, config: Trainer.Config, pd: ParallelDims
         )
     else:
         knobs.append("no shard degree helps while the activations alone exceed the device: shrink them first")
+    pipe = fitting_pp_degree(pd, worst.static, room, report.num_layers)
+    if pipe is not None:
+        pp, replicate, world = pipe
+        how = (
+            f"on the same {world} ranks with {_P}data_parallel_replicate_degree {replicate} (now {pd.dp_replicate})"
+            if world == pd.world_size
+            else f"on {world} ranks ({world // pp} per stage, as now)"
+        )
+        knobs.append(
+            f"{_P}pipeline_parallel_degree {pp} (now {pd.pp}) {how}: each stage holds 1/{pp} of the layers, so the "
+            f"per-stage memory would fit (about {worst.static * pd.pp / pp / GIB:.2f} GiB static, layers spread evenly)"
+        )
     if config.optimizer.name == "adamw" and worst.optimizer >= max(worst.params, worst.grads):
         knobs.append("--optimizer.name muon keeps one momentum buffer per matrix instead of AdamW's two moments")
     return knobs
@@ -69,7 +101,12 @@ def _static_knobs(report: DryRunReport, config: Trainer.Config, pd: ParallelDims
 def fit_advice(report: DryRunReport, config: Trainer.Config, pd: ParallelDims) -> list[str]:
     """Headroom when the fullest rank fits; otherwise what it needs, and the knobs for its larger part first."""
     budget = report.device_memory_gib * GIB
-    worst = max(report.ranks, key=lambda m: m.static)
+
+    def need(m):  # the estimated peak (pipeline stages differ in activations), else the static memory
+        peak = report.estimated_peak(m)
+        return (peak if peak is not None else m.static, m.static)
+
+    worst = max(report.ranks, key=need)
     peak = report.estimated_peak(worst)
     total = peak if peak is not None else worst.static
     if total <= budget:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from hyper_parallel.dry_run.hf_memory import HFIOMemory
 from hyper_parallel.dry_run.layout import RankMemory
 from hyper_parallel.dry_run.lora_memory import LoRAMemory, format_lora
+from hyper_parallel.dry_run.pipeline import PipelinePlan, format_pipeline
 
 __all__ = ["CommVolume", "DryRunReport", "format_hf_io", "format_report"]
 
@@ -67,6 +68,8 @@ class DryRunReport:
     """LoRA runs: adapters, modules_to_save and the frozen base (``lora_memory.py``)."""
     hf_io: list[HFIOMemory] = field(default_factory=list)
     """Host memory of the HF load and export per rank (``hf_memory.py``)."""
+    pipeline: PipelinePlan | None = None
+    """Pipeline parallel: stages, per-stage memory, bubble, p2p (``pipeline.py``)."""
     advice: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -76,6 +79,11 @@ class DryRunReport:
 
     def estimated_peak(self, mem: RankMemory) -> float | None:
         """The simulated rank's peak, shifted by how much less (or more) static memory ``mem`` holds."""
+        if self.pipeline is not None:  # each pp rank group has its own stages and peak
+            group = self.pipeline.group_of(mem.rank)
+            if group.peak is None or group.worst is None:
+                return None
+            return group.peak + mem.static - group.worst.static
         sim = self.simulated
         if sim is None or "Total" not in self.peak:
             return None
@@ -149,6 +157,8 @@ def format_report(report: DryRunReport) -> str:
     lines.append("  exact bytes (params / grads / optimizer): " + "; ".join(
         f"ranks {ranks}: {m.params:,} / {m.grads:,} / {m.optimizer:,}" for ranks, m, _ in rows
     ))
+    if r.pipeline is not None:
+        lines += ["", *format_pipeline(r.pipeline, (unit, size), budget)]
     if r.lora is not None:
         lines += ["", *format_lora(r.lora, max(r.ranks, key=lambda m: (m.static, -m.rank)), (unit, size))]
     if r.peak:
@@ -157,6 +167,8 @@ def format_report(report: DryRunReport) -> str:
             if len(r.depths) == 2
             else f"all {r.num_layers} layers simulated"
         )
+        if r.pipeline is not None:
+            how = f"its pipeline stages' {r.depths[0]} layers simulated (pipeline table above)"
         lines += [
             "",
             f"peak of rank {r.simulated_rank} (one fake forward+backward per micro-batch and the optimizer step under "

@@ -255,12 +255,16 @@ def load_checked(
     # LoRA adapters are never in a base folder (the caller initialises them): a folder that fills the base does not
     # need the whole-model random init first.
     expected = {k: v.shape for k, v in ours.items() if not is_lora_param(k)}
-    result = convert(tensors, expected)
-    raise_problems(_dtype_problems(result.state_dict, ours), f"checkpoint {folder.path}")
-    if init_missing is not None and result.state_dict.keys() != expected.keys():
+    # A pipeline stage checks the folder against the whole model (the other stages' keys are not unexpected),
+    # then reads its own keys only.
+    whole = getattr(model, "pipeline_full_shapes", None) or expected
+    result = convert(tensors, {k: v for k, v in whole.items() if not is_lora_param(k)})
+    mine = {k: v for k, v in result.state_dict.items() if k in expected}
+    raise_problems(_dtype_problems(mine, ours), f"checkpoint {folder.path}")
+    if init_missing is not None and mine.keys() != expected.keys():
         init_missing()
         ours = model_state_dict(model)
-    for key, src in result.state_dict.items():
+    for key, src in mine.items():
         load_tensor_(ours[key], src)
     model.hf_passthrough = dict(result.passthrough)
     return result

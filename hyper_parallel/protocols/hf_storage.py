@@ -26,7 +26,8 @@ from __future__ import annotations
 import json
 import os
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ __all__ = [
     "local_box",
     "pack_files",
     "permute_rows",
+    "pipeline_stages",
     "save_converted",
     "stack",
     "writes_once",
@@ -502,6 +504,45 @@ def _meta(t: Any) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
 
+_STAGES: list[dist.ProcessGroup] = []
+
+
+@contextmanager
+def pipeline_stages(group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Inside the block ``save_converted`` writes a pipeline-parallel model: the ranks of ``group`` (one per stage,
+    the pp axis) hold different keys, so each stage's keys go to files of their own, written by that stage's
+    ranks (no rank receives another stage's tensors), and rank 0 writes the one index of them all."""
+    if group is None:
+        yield
+        return
+    _STAGES.append(group)
+    try:
+        yield
+    finally:
+        _STAGES.pop()
+
+
+def _stage_plan(sources: Mapping[str, Any], world: int) -> tuple[dict[str, int], list[list[int]], dict[str, torch.Tensor]]:
+    """Under ``pipeline_stages``: ``(key -> the pp index writing it, global ranks of every pp index, meta tensors
+    of every stage's keys)``. A key several stages hold (a passthrough reference every rank keeps) goes to the
+    first of them."""
+    group = _STAGES[-1]
+    mine = {k: (tuple(_meta(t).shape), _meta(t).dtype) for k, t in sources.items()}
+    held: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(held, mine, group=group)
+    index: list[Any] = [None] * world
+    dist.all_gather_object(index, dist.get_rank(group))
+    ranks = [[r for r in range(world) if index[r] == p] for p in range(len(held))]
+    holder: dict[str, int] = {}
+    metas: dict[str, torch.Tensor] = {}
+    for p, keys in enumerate(held):
+        for k, (shape, dtype) in sorted(keys.items()):
+            if k not in holder:
+                holder[k] = p
+                metas[k] = torch.empty(shape, dtype=dtype, device="meta")
+    return holder, ranks, metas
+
+
 def _in_folder(t: Any, path: Path) -> bool:
     try:
         return isinstance(t, StoredTensor) and path.exists() and os.path.samefile(t.file.parent, path)
@@ -550,7 +591,7 @@ def save_converted(
     map each source key on its own (it is also called on meta tensors to plan the files). A sharded save
     makes files of at most ``total / world`` bytes (every rank writes some); with the same file limit a
     sharded and a one-process save write the same bytes. Returns the written file names (the same list on
-    every rank).
+    every rank). Under ``pipeline_stages`` each rank passes its own stages' sources.
     """
     path = Path(path)
     collective = (
@@ -560,21 +601,34 @@ def save_converted(
     rank, world = (dist.get_rank(), dist.get_world_size()) if collective else (0, 1)
 
     # plan from shapes alone: which HF keys each source makes, their sizes, the files
+    staged = collective and bool(_STAGES)
+    holder, stage_ranks, metas = _stage_plan(sources, world) if staged else ({}, [list(range(world))], {})
+    if staged:  # this rank writes its own stage's keys only
+        me = dist.get_rank(_STAGES[-1])
+        sources = {k: t for k, t in sources.items() if holder[k] == me}
+    metas = metas or {k: _meta(t) for k, t in sources.items()}
     outputs: dict[str, dict[str, torch.Tensor]] = {}
-    for key in sorted(sources):
-        outputs[key] = convert({key: _meta(sources[key])})
+    for key in sorted(metas):
+        outputs[key] = convert({key: metas[key]})
     sizes = {h: m.numel() * m.element_size() for outs in outputs.values() for h, m in outs.items()}
     if len(sizes) != sum(len(o) for o in outputs.values()):
         raise ValueError("two source tensors convert to the same HF key: the conversion is not one-to-one")
-    limit = max_shard_size
-    if collective:  # at least `world` files, so that every rank writes (and holds) only a part of the model
-        limit = min(limit, max(1, -(-sum(sizes.values()) // world)))
-    files = pack_files(sizes, limit)
+    files: list[list[str]] = []
+    owner: dict[int, int] = {}
+    for p, ranks in enumerate(stage_ranks):  # one stage (or the whole model) after the other
+        part = {h: n for k, outs in outputs.items() if holder.get(k, 0) == p for h in outs for n in [sizes[h]]}
+        limit = max_shard_size
+        if collective:  # at least one file per rank, so that every rank writes (and holds) only a part of the model
+            limit = min(limit, max(1, -(-sum(part.values()) // len(ranks))))
+        for j, keys in enumerate(pack_files(part, limit) if part else []):
+            owner[len(files)] = ranks[j % len(ranks)]
+            files.append(keys)
+    if not files:
+        files, owner = [[]], {0: 0}
     names = (
         [SAFE_SINGLE] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
     )
     file_of = {h: i for i, keys in enumerate(files) for h in keys}
-    owner = {i: i % world for i in range(len(files))}
 
     # sources read from this very folder are read before the stale files are removed
     sources = {k: (t.read() if _in_folder(t, path) else t) for k, t in sources.items()}
@@ -591,7 +645,7 @@ def save_converted(
     buffers: dict[int, dict[str, torch.Tensor]] = {i: {} for i in left}
     order = sorted(sources, key=lambda k: (min((file_of[h] for h in outputs[k]), default=-1), k))
     # a tensor written as nothing (a tied head) needs no gather; the plan is the same on every rank
-    dests = {k: tuple(sorted({owner[file_of[h]] for h in outputs[k]})) for k in order if outputs[k]}
+    dests = {k: tuple(sorted({owner[file_of[h]] for h in outputs[k]})) for k in order if outputs.get(k)}
     for round_keys in _rounds([k for k in order if k in dests], dests):
         # every rank of the round assembles its own tensor at once (one exchange), then converts it
         sharded = [k for k in round_keys if isinstance(sources[k], DTensor)]

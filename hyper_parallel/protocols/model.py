@@ -34,6 +34,19 @@ class ModelOutput(NamedTuple):
     """Multi-token prediction: logits ``[B, T, V]`` of token ``t + 2`` at position ``t`` (trained against the
     batch's ``mtp_labels``), when the model has an MTP block and was given ``mtp_input_ids``."""
 
+    def as_stage_output(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The three fields as tensors only (a pipeline stage's outputs must be), an absent one as an empty tensor;
+        ``from_stage_output`` reads them back."""
+        empty = self.logits.new_empty(0)
+        return (self.logits, empty if self.aux_loss is None else self.aux_loss,
+                empty if self.mtp_logits is None else self.mtp_logits)  # fmt: skip
+
+    @classmethod
+    def from_stage_output(cls, out: tuple[torch.Tensor, ...]) -> ModelOutput:
+        """The ``ModelOutput`` a last pipeline stage returned as ``as_stage_output``."""
+        logits, aux, mtp = out
+        return cls(logits, None if aux.numel() == 0 else aux, None if mtp.numel() == 0 else mtp)
+
 
 def split_output(out: torch.Tensor | ModelOutput) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(logits, aux_loss or None)`` from whatever a model's forward returned."""

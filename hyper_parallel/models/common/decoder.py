@@ -22,6 +22,13 @@ reaches when the Config is constructed (on copies of the child configs), so the 
 ``dataclasses.replace`` give the same tree; ``option_values()`` reads them back. The per-layer tree itself is
 off the command line (``OFF_CLI``); run files still reach it.
 
+Pipeline parallel (``restrict_to_stage``, ``forward_stage``): a stage is this same model with only its layers
+(``layers.{i}`` keep their numbers, so checkpoints and HF files map as without pipeline parallel) and, on the first
+stage, the input side (every child but the layers and the output side: embeddings, a VQ path, a vision tower), on
+the last the output side (final norm, LM head, MTP block). Between stages travel the hidden states, the MTP
+block's input embeddings (made on stage 0 from the embedding table) and the running MoE router statistics, so
+the last stage computes exactly the model's loss terms.
+
 Multi-token prediction (``Config.mtp``, off by default; ``models/common/mtp.py``): given
 ``mtp_input_ids`` (the next token of every position, per document, from the data side), ``forward``
 also runs the MTP block on the final-normed hidden states and the shared ``lm_head`` and returns
@@ -42,16 +49,17 @@ import torch
 import tyro
 
 from hyper_parallel.config.errors import ConfigError
+from hyper_parallel.distributed.pipeline_plan import StageCosts, StageSpan
 from hyper_parallel.models.common.attention import AttentionMeta
 from hyper_parallel.models.common.block import TransformerBlock, combine_aux_losses
 from hyper_parallel.models.common.embedding import Embedding
 from hyper_parallel.models.common.linear import Linear
-from hyper_parallel.models.common.moe import MoE
+from hyper_parallel.models.common.moe import LoadBalanceStats, MoE
 from hyper_parallel.models.common.mtp import MTP
 from hyper_parallel.models.common.rmsnorm import RMSNorm
 from hyper_parallel.models.common.rope import RoPE
 from hyper_parallel.protocols.model import BaseModel, ModelOutput
-from hyper_parallel.protocols.module import Module, ModuleList, _init_child
+from hyper_parallel.protocols.module import Module, ModuleList, _init_child, unwrapped_name
 from hyper_parallel.protocols.param_init import ParamInit
 
 __all__ = ["MODEL_OPTIONS", "OFF_CLI", "Decoder"]
@@ -252,6 +260,11 @@ class Decoder(BaseModel):
         if config.tie_word_embeddings:
             self._tie_lm_head()
         self.mtp = config.mtp.build(dim=config.dim) if config.mtp is not None else None
+        self.pipeline_stage: StageSpan | None = None
+        """The pipeline stage this model is (``restrict_to_stage``); None: the whole model."""
+        self.pipeline_full_shapes: dict[str, torch.Size] = {}
+        """A stage's: our key -> shape of every state-dict entry of the WHOLE model (an HF load converts the whole
+        folder, then keeps this stage's keys)."""
 
     def _tie_lm_head(self) -> None:
         """Make ``lm_head.weight`` the embedding's parameter (one tensor under two names)."""
@@ -358,14 +371,14 @@ class Decoder(BaseModel):
     def forward(
         self,
         input_ids: torch.Tensor,
-        *,
+        *carry: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
         cu_seqlens_host: Sequence[int] | None = None,
         mtp_input_ids: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor | ModelOutput:
+    ) -> torch.Tensor | ModelOutput | tuple[torch.Tensor, ...]:
         """``[B, T]`` ids -> logits ``[B, T, vocab_size]``; ``cu_seqlens`` (int32, flattened stream) packs documents;
         ``token_mask`` (bool ``[B, T]``, the batch's: False on the padding run) keeps padding out of the MoE router
         statistics (HF's ``attention_mask`` in ``load_balancing_loss_func``).
@@ -373,7 +386,14 @@ class Decoder(BaseModel):
         Returns ``ModelOutput(logits, aux_loss)`` instead when a layer produced an auxiliary loss, and
         ``ModelOutput(logits, aux_loss, mtp_logits)`` when the model has an MTP block and ``mtp_input_ids``
         (``[B, T]``, the next token per position, negative where a document has none) are given.
+
+        A pipeline stage (``restrict_to_stage``) runs ``forward_stage`` instead: on a later stage ``input_ids`` is
+        the previous stage's hidden states and ``carry`` the rest of its outputs.
         """
+        if self.pipeline_stage is not None:
+            return self.forward_stage(input_ids, *carry, position_ids=position_ids, cu_seqlens=cu_seqlens,
+                                      max_seqlen=max_seqlen, cu_seqlens_host=cu_seqlens_host,
+                                      mtp_input_ids=mtp_input_ids, token_mask=token_mask)  # fmt: skip
         h = self.embed(input_ids)
         mtp_embeds = self.embed_next_tokens(mtp_input_ids) if self.mtp_active(mtp_input_ids) else None
         return self.forward_embedded(
@@ -440,6 +460,177 @@ class Decoder(BaseModel):
         if mtp_aux is not None:
             aux_loss = mtp_aux if aux_loss is None else aux_loss + mtp_aux
         return ModelOutput(logits, aux_loss, self.lm_head(y_BTD))
+
+    # ------------------------------------------------------------------ pipeline stages
+    OUTPUT_SIDE: ClassVar[tuple[str, ...]] = ("norm", "lm_head", "mtp")
+    """Children the last pipeline stage holds; every other child but ``layers`` is the input side (stage 0)."""
+
+    def input_side(self) -> list[str]:
+        """Names of the children stage 0 holds besides its layers (embeddings, a VQ path, a vision tower)."""
+        return [n for n, _ in self.named_children() if n != "layers" and n not in self.OUTPUT_SIDE]
+
+    def pipeline_first_stage_layers(self) -> int:
+        """Layers that must sit on stage 0 because the input side feeds them directly (0 here)."""
+        return 0
+
+    def stage_costs(self, seq_len: int) -> StageCosts:
+        """The split's cost facts (training FLOPs per token): ``6 x`` active parameters plus attention per layer;
+        the input side's matmuls (not the embedding lookups) on stage 0; the head (twice with MTP) and the MTP
+        block on the last stage. Works on a meta model."""
+        def active(module: torch.nn.Module) -> float:
+            total = float(sum(p.numel() for p in module.parameters()))
+            for sub in module.modules():
+                if isinstance(sub, MoE):
+                    routed = sum(p.numel() for p in sub.experts.parameters())
+                    total -= routed * (1.0 - sub.config.gate.top_k / sub.config.num_experts)
+            return total
+
+        layers = tuple(6.0 * active(layer) + layer.self_attn.flops_per_token(seq_len) for layer in self.layers)
+        first = 0.0
+        for name in self.input_side():
+            child = getattr(self, name)
+            if isinstance(child, torch.nn.Module) and not isinstance(child, (Embedding, torch.nn.Embedding)):
+                first += 6.0 * active(child)
+        head = 6.0 * self.lm_head.weight.numel()
+        last = head
+        if self.mtp is not None:
+            last += head + 6.0 * active(self.mtp) + sum(layer.self_attn.flops_per_token(seq_len) for layer in self.mtp.layers)
+        return StageCosts(layers, first=first, last=last, first_stage_min_layers=self.pipeline_first_stage_layers())
+
+    def restrict_to_stage(self, span: StageSpan) -> None:
+        """Make this (meta) model the pipeline stage ``span``: drop the other layers (the kept ones keep their
+        numbers) and the input / output side the stage does not hold. Call before parallelizing."""
+        if self.config.tie_word_embeddings and span.num_stages > 1:
+            raise ConfigError(
+                "tie_word_embeddings=True shares one weight between the embedding (first pipeline stage) and the LM "
+                "head (last stage), which pipeline parallel does not support yet: set "
+                "--parallelism.pipeline_parallel_degree 1"
+            )
+        self.pipeline_full_shapes = {unwrapped_name(k): v.shape for k, v in self.state_dict().items()}
+        for i in range(len(self.config.layers)):
+            if i not in span.layers:
+                del self.layers._modules[str(i)]  # not ``del layers[i]``: that renumbers the rest
+        drop = [*(() if span.is_first else self.input_side()), *(() if span.is_last else self.OUTPUT_SIDE)]
+        for name in drop:
+            setattr(self, name, None)
+        self.pipeline_stage = span
+
+    def stage_boundary_meta(
+        self, tokens_BT: tuple[int, int], *, dtype: torch.dtype, sequence_shards: int, mtp: bool
+    ) -> tuple[torch.Tensor, ...]:
+        """Meta tensors of what crosses every stage boundary (``forward_stage``'s outputs before the last stage),
+        for micro-batches of ``tokens_BT`` ids per rank: hidden states ``[B, T / sequence_shards, D]`` (sequence
+        parallel keeps each tp rank's chunk), the aux statistics ``[2E + 2]`` fp32 when there is an aux loss, the
+        MTP embeddings ``[B, T, D]`` (whole: the MTP block cuts them on entry) with ``mtp``."""
+        B, T = tokens_BT
+        D = self.config.dim
+        out = [torch.empty(B, T // sequence_shards, D, dtype=dtype, device="meta")]
+        aux = self._aux_moe_config()
+        if aux is not None:
+            out.append(torch.empty(2 * aux.num_experts + 2, dtype=torch.float32, device="meta"))
+        if mtp and self.config.mtp is not None:
+            out.append(torch.empty(B, T, D, dtype=dtype, device="meta"))
+        return tuple(out)
+
+    def pipeline_carries_aux(self) -> bool:
+        """Whether the stages pass MoE router statistics on: a decoder layer's MoE has a load-balancing loss."""
+        return self._aux_moe_config() is not None
+
+    def _aux_moe_config(self) -> MoE.Config | None:
+        moes = [layer.mlp for layer in self.config.layers if isinstance(layer.mlp, MoE.Config)]
+        return next((m for m in moes if m.router_aux_loss_coef > 0), None)
+
+    def stage_inputs(
+        self, input_ids: torch.Tensor, *, mtp_input_ids: torch.Tensor | None, **inputs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        """Stage 0's input side: ``(h, MTP input embeddings or None, after_layer)``; ``after_layer(i, h)`` (or None)
+        is what the input side adds after decoder layer ``i`` (Qwen3-VL's deepstack). Families with more inputs
+        override this."""
+        del inputs
+        mtp = self.embed_next_tokens(mtp_input_ids) if self.config.mtp is not None and mtp_input_ids is not None else None
+        return self.embed(input_ids), mtp, None
+
+    def forward_stage(
+        self,
+        x: torch.Tensor,
+        *carry: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        cu_seqlens_host: Sequence[int] | None = None,
+        mtp_input_ids: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
+        **inputs: Any,
+    ) -> tuple[torch.Tensor, ...]:
+        """One pipeline stage: ``x`` = token ids on stage 0 (its input side embeds them), else the previous
+        stage's hidden states with ``carry`` = ``[aux statistics] [MTP embeddings]`` (as ``stage_outputs``
+        ordered them). Returns the same tuple for the next stage, or on the last stage
+        ``ModelOutput(logits, aux_loss, mtp_logits).as_stage_output()`` (a pipeline stage returns tensors only).
+
+        The MoE router statistics travel as one fp32 vector ``[tokens_E | probs_E | rows | per-layer losses]``,
+        each stage adding its layers' (summed over the ranks that split the tokens first); the last stage takes
+        the Switch product once: the model's pooled loss, with the gradient reaching every stage's routers.
+        """
+        span = self.pipeline_stage
+        meta = AttentionMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_host=cu_seqlens_host,
+                             token_mask=token_mask)  # fmt: skip
+        aux_cfg = self._aux_moe_config()
+        mtp_on = self.config.mtp is not None and mtp_input_ids is not None
+        after_layer = None
+        if span.is_first:
+            h_BTD, mtp_embeds, after_layer = self.stage_inputs(x, mtp_input_ids=mtp_input_ids,
+                                                                position_ids=position_ids, cu_seqlens=cu_seqlens,
+                                                                **inputs)  # fmt: skip
+            aux_V = None
+        else:
+            rest = list(carry)
+            h_BTD = x
+            aux_V = rest.pop(0) if aux_cfg is not None else None
+            mtp_embeds = rest.pop(0) if mtp_on else None
+        B, T = h_BTD.shape[:2]
+        if position_ids is None:
+            position_ids = meta.position_ids(B, T, device=h_BTD.device)
+        auxes = []
+        for i, layer in zip(span.layers, self.layers, strict=True):
+            h_BTD = layer(h_BTD, position_ids=position_ids, meta=meta)
+            auxes.append(layer.pop_aux_loss())
+            if after_layer is not None:
+                h_BTD = after_layer(i, h_BTD)
+        if aux_cfg is not None:
+            aux_V = self._add_stage_aux(aux_V, auxes, aux_cfg.num_experts, h_BTD.device)
+        elif any(a is not None for a in auxes):
+            raise RuntimeError("an MoE layer produced an auxiliary loss the stage statistics do not carry")
+        if not span.is_last:
+            return (h_BTD, *([aux_V] if aux_V is not None else []), *([mtp_embeds] if mtp_on else []))
+        aux_loss = None
+        if aux_V is not None:
+            E = aux_cfg.num_experts
+            stats = LoadBalanceStats(tokens_E=aux_V[:E].detach(), probs_E=aux_V[E : 2 * E],
+                                     rows=aux_V[2 * E].detach(), coef=aux_cfg.router_aux_loss_coef)  # fmt: skip
+            aux_loss = stats.loss() + aux_V[2 * E + 1]
+        if mtp_on:
+            return self.head_with_mtp(h_BTD, aux_loss, mtp_embeds, position_ids=position_ids, meta=meta).as_stage_output()
+        return ModelOutput(self.head(h_BTD), aux_loss).as_stage_output()
+
+    @staticmethod
+    def _add_stage_aux(
+        aux_V: torch.Tensor | None, auxes: list[Any], num_experts: int, device: torch.device
+    ) -> torch.Tensor:
+        """The running statistics vector plus this stage's layers' (pooled over the token-splitting ranks)."""
+        if aux_V is None:
+            aux_V = torch.zeros(2 * num_experts + 2, dtype=torch.float32, device=device)
+        for aux in auxes:
+            if aux is None:
+                continue
+            if isinstance(aux, LoadBalanceStats):
+                rows = aux.rows.reshape(1).float() if torch.is_tensor(aux.rows) else aux_V.new_full((1,), float(aux.rows))
+                v = torch.cat([aux.tokens_E, aux.probs_E, rows])
+                if aux.pool is not None:
+                    v = aux.pool(v)
+                aux_V = aux_V + torch.cat([v, aux_V.new_zeros(1)])
+            else:  # a per-layer loss tensor: summed, as combine_aux_losses does
+                aux_V = aux_V + torch.cat([aux_V.new_zeros(2 * num_experts + 1), aux.reshape(1).float()])
+        return aux_V
 
     def get_nparams_and_flops(self, seq_len: int) -> tuple[int, float]:
         """``(total params, training FLOPs per token)``: ``6 * active non-embedding params + attention``.

@@ -219,10 +219,31 @@ class GlmImageMoeModel(Decoder):
             return e_BTD
         return e_BTD.reshape(B * T, D).index_put((idx,), self.image_embeddings(codes).to(e_BTD.dtype)).view(B, T, D)
 
-    def forward(
+    def stage_inputs(
         self,
         input_ids: torch.Tensor,
         *,
+        mtp_input_ids: torch.Tensor | None,
+        visual_indices: torch.Tensor | None = None,
+        vq_codes: torch.Tensor | None = None,
+        mtp_visual_indices: torch.Tensor | None = None,
+        mtp_vq_codes: torch.Tensor | None = None,
+        **_: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+        """Pipeline stage 0: the text + image embedding and (with MTP) the next tokens' (``Decoder.forward_stage``)."""
+        h = self.embed(input_ids, visual_indices=visual_indices, vq_codes=vq_codes)
+        mtp_embeds = None
+        if self.config.mtp is not None and mtp_input_ids is not None:
+            mtp_embeds = self.embed_next_tokens_with_images(
+                mtp_input_ids, input_ids=input_ids, visual_indices=visual_indices, vq_codes=vq_codes,
+                mtp_visual_indices=mtp_visual_indices, mtp_vq_codes=mtp_vq_codes,
+            )  # fmt: skip
+        return h, mtp_embeds, None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *carry: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
@@ -238,8 +259,16 @@ class GlmImageMoeModel(Decoder):
         batch's (False on padding, left out of the MoE router statistics; ``Decoder.forward``).
 
         With an MTP block and ``mtp_input_ids``: ``ModelOutput(logits, aux_loss, mtp_logits)``, the MTP head
-        predicting token ``t + 2`` over the same joint text + image-code vocabulary (``Decoder``).
+        predicting token ``t + 2`` over the same joint text + image-code vocabulary (``Decoder``). A pipeline stage
+        runs ``Decoder.forward_stage``.
         """
+        if self.pipeline_stage is not None:
+            return self.forward_stage(
+                input_ids, *carry, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                cu_seqlens_host=cu_seqlens_host, mtp_input_ids=mtp_input_ids, token_mask=token_mask,
+                visual_indices=visual_indices, vq_codes=vq_codes, mtp_visual_indices=mtp_visual_indices,
+                mtp_vq_codes=mtp_vq_codes,
+            )  # fmt: skip
         h = self.embed(input_ids, visual_indices=visual_indices, vq_codes=vq_codes)
         mtp_embeds = None
         if self.mtp_active(mtp_input_ids):

@@ -43,7 +43,8 @@ def parallelize_glm_image_moe(
     """
     validate_glm_image_moe_layout(model.config, parallel_dims)
     declared = layout_shardings(model.config, set_glm_image_moe_sharding_config, parallel_dims)
-    ignored = [model.vq_codebook.weight] if model.config.freeze_vq else []
+    # (no VQ path on a pipeline stage after the first)
+    ignored = [model.vq_codebook.weight] if model.config.freeze_vq and model.vq_codebook is not None else []
     return parallelize_decoder(
         model,
         declared=declared,

@@ -13,8 +13,8 @@ from hyper_parallel.models.qwen3_5_v2.trainer_config import qwen3_5_text_trainer
 from hyper_parallel.trainer import Trainer
 
 __all__ = [
-    "qwen3_5_moe_a3b", "qwen3_5_moe_a3b_128k", "qwen3_5_moe_a3b_256k", "qwen3_5_moe_a3b_ep8", "qwen3_5_moe_a3b_lora",
-    "qwen3_5_moe_debug", "qwen3_5_moe_lora_debug", "qwen3_5_moe_sft_debug",
+    "qwen3_5_moe_397b", "qwen3_5_moe_397b_lora", "qwen3_5_moe_a3b", "qwen3_5_moe_a3b_128k", "qwen3_5_moe_a3b_256k",
+    "qwen3_5_moe_a3b_ep8", "qwen3_5_moe_a3b_lora", "qwen3_5_moe_debug", "qwen3_5_moe_lora_debug", "qwen3_5_moe_sft_debug",
 ]  # fmt: skip
 
 
@@ -148,4 +148,50 @@ def qwen3_5_moe_a3b_256k() -> Trainer.Config:
     cfg = qwen3_5_moe_a3b()
     cfg.parallelism.context_parallel_degree = 16
     cfg.data.max_tokens_per_microbatch = 262144
+    return cfg
+
+
+def qwen3_5_moe_397b() -> Trainer.Config:
+    """Qwen3.5-397B-A17B text dimensions, bf16, 32k-token sequences, pipeline parallel 8 on 128 x 80 GiB.
+
+    Dimensions of the release's config.json (Qwen/Qwen3.5-397B-A17B; transcribed from public tables that vendor it,
+    not read from the release file here): hidden 4096, 60 layers (3 DeltaNet : 1 gated attention), 32 q / 2 kv heads
+    of 256, rotary 0.25 with mrope (11, 11, 10), rope_theta 1e7, DeltaNet Hk 16 / Hv 64 of 128, conv 4, 512 experts
+    top-10 of 1024, shared expert 1024, vocab 248320, untied head, context 262144, one MTP layer (396.3B + 6.6B).
+
+    Layout: 8 stages (1F1B, split by layer cost: the head weighs on the last) of 16 ranks: context parallel 4 (8k
+    tokens of every sequence per rank) x FSDP 4, experts over 16 expert-parallel ranks (an FSDP stage under torch's
+    schedules keeps its unsharded weights and gradients for the whole step); every layer recomputed, bf16 gradient
+    reduction, Muon, the MTP block off (its embeddings would double the p2p bytes and the 8 GiB of receive buffers
+    torch's PipelineStage keeps per direction for 64 micro-batches; ``--model.use_mtp true`` adds them back). 8M
+    tokens per step, bubble 7/71. Dry run (``--world_size 128``): peak 72.80 GiB on stage 0 (8 layers, 37.67 static),
+    69.93 on stage 4. Full training does not fit 64 ranks (stage 0 holds 75.35 GiB of static state with Muon, 99.82
+    with AdamW, before 8 GiB of receive buffers and the activations); LoRA does (``qwen3_5_moe_397b_lora``).
+    """
+    model = qwen3_5_moe_config(
+        vocab_size=248320, hidden_size=4096, num_hidden_layers=60, num_attention_heads=32, num_key_value_heads=2,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512, num_experts_per_tok=10,
+        moe_intermediate_size=1024, shared_expert_intermediate_size=1024, rope_theta=1e7, partial_rotary_factor=0.25,
+        mrope_section=(11, 11, 10), rms_norm_eps=1e-6, max_position_embeddings=262144, mtp_num_hidden_layers=1,
+    )  # fmt: skip
+    cfg = qwen3_5_text_trainer("qwen3_5_moe", dataclasses.replace(model, use_mtp=False), debug=False)
+    cfg.parallelism.pipeline_parallel_degree = 8
+    cfg.parallelism.pipeline_schedule = "1F1B"
+    cfg.parallelism.context_parallel_degree = 4
+    cfg.parallelism.expert_parallel_degree = 16
+    cfg.activation_checkpoint.mode = "full"
+    cfg.training.mixed_precision_reduce = "bfloat16"
+    cfg.optimizer.name = "muon"
+    cfg.data.max_tokens_per_microbatch = 32768
+    cfg.data.global_batch_tokens = 1 << 23
+    return cfg
+
+
+def qwen3_5_moe_397b_lora() -> Trainer.Config:
+    """``qwen3_5_moe_397b`` as a rank-16 LoRA run on 64 x 80 GiB (8 stages of 8 ranks), the frozen base in bf16."""
+    cfg = qwen3_5_moe_397b()
+    cfg.lora = LoRAConfig(rank=16, alpha=32.0, targets=("all-linear", "experts"))
+    cfg.parallelism.expert_parallel_degree = 8  # the 8 ranks of a stage
+    cfg.optimizer.name, cfg.optimizer.lr, cfg.optimizer.weight_decay = "adamw", 1e-4, 0.0
     return cfg

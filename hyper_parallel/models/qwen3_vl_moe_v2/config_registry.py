@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from hyper_parallel.components import CheckpointManager, LRSchedulersContainer, MetricsProcessor, OptimizersContainer
 from hyper_parallel.config import ActivationCheckpointConfig, ParallelismConfig, TrainingConfig
 from hyper_parallel.config.lora import LoRAConfig
@@ -23,7 +25,7 @@ from hyper_parallel.trainer import Trainer
 __all__ = [
     "qwen3_5_moe_vl_debug", "qwen3_5_moe_vl_mtp_debug", "qwen3_5_vl_debug", "qwen3_vl_moe_a3b", "qwen3_vl_moe_a3b_ep8",
     "qwen3_5_9b_vl", "qwen3_5_27b_vl",
-    "qwen3_vl_debug", "qwen3_vl_moe_a3b_lora", "qwen3_vl_moe_debug", "qwen3_vl_moe_lora_debug",
+    "qwen3_vl_debug", "qwen3_vl_moe_a3b_lora", "qwen3_vl_moe_debug", "qwen3_vl_moe_lora_debug", "qwen3_vl_moe_pp_debug",
     "qwen3_vl_moe_sft_debug",
 ]  # fmt: skip
 
@@ -50,15 +52,24 @@ def _debug_trainer(model, spec: str) -> Trainer.Config:
     )
 
 
+def _debug_vl_moe(num_hidden_layers: int) -> Any:
+    return qwen3_vl_moe_config(
+        vocab_size=520, hidden_size=64, num_hidden_layers=num_hidden_layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=96, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=24, mlp_only_layers=[2], rope_theta=5e6, mrope_section=(4, 2, 2),
+        router_aux_loss_coef=0.001, max_position_embeddings=4096,
+        vision={**_TOY_VISION, "deepstack_visual_indexes": (0, 1)}, **_TOY_IDS,
+    )  # fmt: skip
+
+
 def qwen3_vl_moe_debug() -> Trainer.Config:
     """Tiny Qwen3-VL-MoE (2-block tower with deepstack, 3 text layers, one dense) on the toy VL corpus."""
-    model = qwen3_vl_moe_config(
-        vocab_size=520, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=96, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-        mlp_only_layers=[2], rope_theta=5e6, mrope_section=(4, 2, 2), router_aux_loss_coef=0.001,
-        max_position_embeddings=4096, vision={**_TOY_VISION, "deepstack_visual_indexes": (0, 1)}, **_TOY_IDS,
-    )  # fmt: skip
-    return _debug_trainer(model, "qwen3_vl_moe")
+    return _debug_trainer(_debug_vl_moe(3), "qwen3_vl_moe")
+
+
+def qwen3_vl_moe_pp_debug() -> Trainer.Config:
+    """``qwen3_vl_moe_debug`` with 5 text layers: room for 4 pipeline stages (the 2 deepstack layers on stage 0)."""
+    return _debug_trainer(_debug_vl_moe(5), "qwen3_vl_moe")
 
 
 def qwen3_vl_debug() -> Trainer.Config:

@@ -166,11 +166,12 @@ class Qwen3VlMoeModel(Decoder):
 
     def _apply_freeze(self) -> None:
         c = self.config
-        if c.freeze_vision:
+        if c.freeze_vision and self.visual is not None:  # None: a later pipeline stage
             self.visual.requires_grad_(False)
         if c.freeze_text:
             for module in (self.embed_tokens, self.layers, self.norm, self.lm_head):
-                module.requires_grad_(False)
+                if module is not None:
+                    module.requires_grad_(False)
 
     def init_weights(self) -> None:  # keep frozen parts frozen after a re-init
         super().init_weights()
@@ -361,10 +362,43 @@ class Qwen3VlMoeModel(Decoder):
 
     # ---- forward ---------------------------------------------------------------------------------
 
-    def forward(
+    def pipeline_first_stage_layers(self) -> int:
+        """The deepstack layers (the tower's intermediate features join after them) sit on stage 0."""
+        return len(self.config.visual.deepstack_visual_indexes)
+
+    def stage_inputs(
         self,
         input_ids: torch.Tensor,
         *,
+        mtp_input_ids: torch.Tensor | None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        **_: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        """Pipeline stage 0: text + visual embeddings, the MTP input, and the deepstack additions after the first
+        layers (all on stage 0: ``pipeline_first_stage_layers``)."""
+        mtp = self.config.mtp is not None and mtp_input_ids is not None
+        h, idx, deep, after = self._embed(
+            input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+            pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw,
+            mtp_input_ids=mtp_input_ids if mtp else None,
+        )  # fmt: skip
+        mtp_embeds = self._embed_next_tokens_with_visuals(mtp_input_ids, h, after) if mtp else None
+        B, T, D = h.shape
+
+        def after_layer(i: int, h_BTD: torch.Tensor) -> torch.Tensor:
+            if i < len(deep):
+                return h_BTD.reshape(B * T, D).index_add(0, idx, deep[i]).view(B, T, D)
+            return h_BTD
+
+        return h, mtp_embeds, after_layer
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *carry: torch.Tensor,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         pixel_values_videos: torch.Tensor | None = None,
@@ -382,7 +416,17 @@ class Qwen3VlMoeModel(Decoder):
         ``position_ids``: ``[3, B, T]`` M-RoPE rows (or ``[B, T]``); None computes them from the grids.
         Returns ``ModelOutput(logits, aux_loss)`` when an MoE layer produced an auxiliary loss, and
         ``ModelOutput(logits, aux_loss, mtp_logits)`` with an MTP block (Qwen3.5-MoE VL) and ``mtp_input_ids``.
+        A pipeline stage runs ``Decoder.forward_stage`` (every stage needs the batch's ``position_ids``).
         """
+        if self.pipeline_stage is not None:
+            if position_ids is None:
+                raise ValueError("a pipeline stage needs the batch's M-RoPE position_ids: later stages hold no input_ids")
+            return self.forward_stage(
+                input_ids, *carry, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                cu_seqlens_host=cu_seqlens_host, mtp_input_ids=mtp_input_ids, token_mask=token_mask,
+                pixel_values=pixel_values, image_grid_thw=image_grid_thw, pixel_values_videos=pixel_values_videos,
+                video_grid_thw=video_grid_thw,
+            )  # fmt: skip
         if position_ids is None:
             position_ids = self.mrope_positions(input_ids, image_grid_thw, cu_seqlens, video_grid_thw)
         mtp = self.mtp_active(mtp_input_ids)

@@ -59,10 +59,10 @@ def parallelize_qwen3_vl_moe(
     declared = layout_shardings(model.config, set_qwen3_vl_moe_sharding_config, parallel_dims)
     # Context parallel: the tower runs on all images on every CP rank (pixels are replicated); the model
     # keeps the features of its own pieces' image tokens (``model.cp_shard``, set by apply_context_parallel).
-    visual = model.visual
+    visual = model.visual  # None on a pipeline stage after the first
     frozen = model.config.freeze_vision
-    vision_layers = [] if frozen else list(visual.blocks)
-    vision_units = [] if frozen else [visual.merger, *visual.deepstack_merger_list]
+    vision_layers = [] if frozen or visual is None else list(visual.blocks)
+    vision_units = [] if frozen or visual is None else [visual.merger, *visual.deepstack_merger_list]
     return parallelize_decoder(
         model,
         declared=declared,
@@ -74,7 +74,7 @@ def parallelize_qwen3_vl_moe(
         layers=[*vision_layers, *model.all_layers()],  # with the MTP block's layers
         embeddings=[model.embed_tokens, *vision_units],
         head=[model.lm_head],
-        ignored_params=list(visual.parameters()) if frozen else [],
+        ignored_params=list(visual.parameters()) if frozen and visual is not None else [],
         # The frozen tower runs in full precision outside FSDP; its output is cast to the text dtype in embed.
         cast_input_modules=[],
     )

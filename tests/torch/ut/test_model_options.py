@@ -101,7 +101,8 @@ def _help(module: str, recipe: str, monkeypatch) -> str:
 def test_a3b_recipe_help_fits_on_a_few_screens(monkeypatch):
     text = _help("qwen3_5_moe", "qwen3_5_moe_a3b", monkeypatch)
     lines = text.splitlines()
-    assert len(lines) < 600, f"--help of qwen3_5_moe_a3b is {len(lines)} lines (11,062 before the tree was suppressed)"
+    # ~600 lines with the four --parallelism.pipeline_* flags (two lines each); the per-layer tree would add 10,000
+    assert len(lines) < 640, f"--help of qwen3_5_moe_a3b is {len(lines)} lines (11,062 before the tree was suppressed)"
     for option in MODEL_OPTIONS:
         assert f"--model.{option}" in text, option
     assert "--model.layers." not in text and "--model.mtp." not in text  # the per-layer tree is off the CLI

@@ -95,8 +95,9 @@ def test_mesh_needs_build_first():
     with pytest.raises(RuntimeError, match="build_mesh"):
         dims(8, tp=2).mesh("tp")
     assert dims(8).mesh("tp") is None  # degree-1 axes never need a mesh
+    assert dims(8).mesh("pp") is None  # pipeline parallel is an axis too (degree 1 here)
     with pytest.raises(KeyError, match="unknown mesh axis"):
-        dims(8).mesh("pp")
+        dims(8).mesh("vpp")
 
 
 def test_sharding_config_is_a_pure_function():
