@@ -132,6 +132,8 @@ def _check_sequence_hook(parallel_dims: ParallelDims):
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         input_ids = args[0] if args else kwargs.get("input_ids")
+        if input_ids is not None and input_ids.is_floating_point():
+            return  # a later pipeline stage: the hidden states arrive already cut (stage 0 checked the ids)
         if input_ids is not None and input_ids.shape[-1] % tp:
             raise ValueError(
                 f"sequence parallel splits each row over tensor_parallel_degree={tp} ranks, but the (per "

@@ -1,7 +1,7 @@
 """Jobs of the pipeline-parallel tests (gloo workers, see ``harness.py``): a debug recipe through the real
 ``Trainer`` (``ConfigManager`` argv, so every ``--parallelism.pipeline_*`` flag is the CLI's), several layouts in
 turn in one launch. Every rank reports, per run, the losses and gradient norms of every step and the whole
-first-step gradient of every parameter its stages hold (the test merges the ranks' dictionaries: each stage's
+first- and last-step gradient of every parameter its stages hold (the test merges the ranks' dictionaries: each stage's
 parameters live on its own ranks), plus the stages it ran.
 """
 
@@ -54,9 +54,10 @@ def run_trainer(args: list[str]) -> dict[str, Any]:
         stats = train_step()
         record["losses"].append(stats["loss"])
         record["grad_norms"].append(stats["grad_norm"])
-        if trainer.step == record["start"] + 1:
+        if trainer.step in (record["start"] + 1, trainer.config.training.steps):
+            key = "first_grads" if trainer.step == record["start"] + 1 else "last_grads"
             for part in trainer.model_parts:
-                record["first_grads"].update({_canonical(n): g for n, g in whole_grads(part).items()})
+                record.setdefault(key, {}).update({_canonical(n): g for n, g in whole_grads(part).items()})
         return stats
 
     validate = trainer.validator.validate
@@ -86,5 +87,6 @@ def runs_job(runs: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
 def merged(per_rank: list[dict[str, dict[str, Any]]], label: str) -> dict[str, Any]:
     """Run ``label`` as one record: rank 0's losses and norms, every rank's first-step gradients."""
     out = dict(per_rank[0][label])
-    out["first_grads"] = {k: v for rank in per_rank for k, v in rank[label]["first_grads"].items()}
+    for key in ("first_grads", "last_grads"):
+        out[key] = {k: v for rank in per_rank for k, v in rank[label].get(key, {}).items()}
     return out
