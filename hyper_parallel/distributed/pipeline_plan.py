@@ -3,8 +3,8 @@
 Pure arithmetic over model facts (no process group), shared by the trainer and the dry run.
 
 A model of ``L`` decoder layers is cut into ``S = pp x stages_per_rank`` contiguous stages. Stage 0 also holds
-the input side (token embedding, a VQ codebook and its projection, a vision tower), the last stage the output
-side (final norm, LM head, an MTP block): their costs come with the model's facts (``StageCosts``), so the
+the input side (the token embedding and whatever else the model feeds its first layer: an image path), the last
+stage the output side (final norm, LM head, an MTP block): their costs come with the model's facts (``StageCosts``), so the
 automatic split balances ``first + layers`` against ``layers + last``. A manual split
 (``--parallelism.pipeline_split``) gives the first layer of every stage after the first.
 
@@ -37,7 +37,8 @@ class StageCosts:
     last: float = 0.0
     """The output side on the last stage: final norm, LM head, MTP block."""
     first_stage_min_layers: int = 0
-    """Layers that must sit on stage 0 (the input side feeds them directly, e.g. Qwen3-VL's deepstack layers)."""
+    """Layers that must sit on stage 0 (the input side feeds them directly, e.g. a vision tower's intermediate
+    features added after the first layers)."""
 
 
 @dataclass(frozen=True)

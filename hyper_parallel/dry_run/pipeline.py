@@ -50,13 +50,12 @@ from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.distributed.pipeline_parallel import check_microbatches
 from hyper_parallel.distributed.pipeline_plan import StageSpan, plan_stages, stage_ranks, stages_of_rank
 from hyper_parallel.dry_run.layout import RankMemory
-from hyper_parallel.dry_run.mtp_batch import mtp_micro_batch
 from hyper_parallel.dry_run.simulation import CommLog, SimulationMode
-from hyper_parallel.dry_run.step import materialize_with_optimizer
+from hyper_parallel.dry_run.step import materialize_with_optimizer, micro_batch
 from hyper_parallel.dry_run.timeline import FSDPSegmentTracker, SegmentTracker
 from hyper_parallel.dry_run.world import MESH_DEVICE
 from hyper_parallel.protocols.model import ModelOutput
-from hyper_parallel.protocols.model_spec import ModelSpec, discover_model_spec
+from hyper_parallel.protocols.model_spec import ModelSpec
 from hyper_parallel.trainer import Trainer
 
 __all__ = [
@@ -246,22 +245,6 @@ def _parallelize(spec: ModelSpec, config: Trainer.Config, pd: ParallelDims, part
     )  # fmt: skip
 
 
-def _micro_batch(config: Trainer.Config, pd: ParallelDims, first: nn.Module) -> dict[str, Any]:
-    seqlen = config.data.max_tokens_per_microbatch
-    if getattr(config.model, "mtp", None) is not None:
-        facts = discover_model_spec(config.model_spec).data_facts(config.model)
-        return mtp_micro_batch(seqlen, pd, first, facts, ignore_index=config.loss.ignore_index)
-    local = seqlen // pd.cp
-    lo = pd.mesh_coordinate("cp") * local
-    return {
-        "input_ids": torch.zeros(1, local, dtype=torch.int64),
-        "labels": torch.zeros(1, local, dtype=torch.int64),
-        "position_ids": torch.arange(lo, lo + local, dtype=torch.int64).unsqueeze(0),
-        "cu_seqlens": torch.tensor([0, seqlen], dtype=torch.int32),
-        "max_seqlen": seqlen,
-    }
-
-
 def _stage_input(span: StageSpan, config: Trainer.Config, pd: ParallelDims, mb: dict) -> tuple:
     """What the stage receives: the token ids on stage 0, else fake hidden states ``[1, T_local, D]`` in the compute
     dtype, then the carry in ``forward_stage``'s order: router statistics, MTP embeddings."""
@@ -332,7 +315,7 @@ def simulate_pipeline_rank(
             tracker.track_external(*parts, *container.optimizers)
         held = 0.0
         with tracker:
-            mb = _micro_batch(config, pd, parts[0])
+            mb = micro_batch(config, pd, parts[0])
             kwargs = dict(position_ids=mb["position_ids"], cu_seqlens=mb["cu_seqlens"], max_seqlen=mb["max_seqlen"],
                           **mb.get("model_inputs", {}))  # fmt: skip
             global_tokens = float(mb["labels"].numel() * pd.dp * pd.cp * n_total)

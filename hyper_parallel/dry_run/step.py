@@ -47,7 +47,7 @@ from hyper_parallel.protocols.model_spec import ModelSpec, discover_model_spec
 from hyper_parallel.trainer import Trainer
 
 __all__ = [
-    "LayerPlan", "StepMeasurement", "layer_plan", "materialize_with_optimizer", "micro_batches_per_step",
+    "LayerPlan", "StepMeasurement", "layer_plan", "materialize_with_optimizer", "micro_batch", "micro_batches_per_step",
     "builds_at_depth", "model_config_at_depth", "simulate_step",
 ]
 
@@ -170,9 +170,13 @@ def materialize_with_optimizer(model: nn.Module, config: Trainer.Config) -> Any:
     return optimizers
 
 
-def _micro_batch(config: Trainer.Config, pd: ParallelDims) -> dict[str, Any]:
-    """This rank's part of one text-only micro-batch: one document of ``max_tokens_per_microbatch`` tokens."""
+def micro_batch(config: Trainer.Config, pd: ParallelDims, model: nn.Module) -> dict[str, Any]:
+    """This rank's part of one micro-batch: one document of ``max_tokens_per_microbatch`` tokens, text only; with an
+    MTP block its targets and inputs too, with image positions where the model takes images (``mtp_batch``)."""
     seqlen = config.data.max_tokens_per_microbatch
+    if getattr(config.model, "mtp", None) is not None:  # the MTP block: its forward, head and loss count
+        facts = discover_model_spec(config.model_spec).data_facts(config.model)
+        return mtp_micro_batch(seqlen, pd, model, facts, ignore_index=config.loss.ignore_index)
     local = seqlen // pd.cp
     lo = pd.mesh_coordinate("cp") * local
     return {
@@ -193,12 +197,7 @@ def _run_step(
     loss_fn = config.loss.build()
     parallel_ctx = getattr(type(loss_fn), "parallel_context", None)
     mtp = getattr(config.model, "mtp", None)  # the MTP block: its forward, head and loss count like the trainer's
-    if mtp is not None:  # with image positions where the model takes images: the MTP image path counts too
-        facts = discover_model_spec(config.model_spec).data_facts(config.model)
-        seqlen = config.data.max_tokens_per_microbatch
-        mb = mtp_micro_batch(seqlen, pd, model, facts, ignore_index=config.loss.ignore_index)
-    else:
-        mb = _micro_batch(config, pd)
+    mb = micro_batch(config, pd, model)
     global_tokens = float(mb["labels"].numel() * pd.dp * pd.cp * n_micro)
     mtp_kwargs = mb.get("model_inputs", {})  # mtp_input_ids and the model's image inputs
     optimizers.zero_grad()

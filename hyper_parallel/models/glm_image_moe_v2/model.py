@@ -230,7 +230,8 @@ class GlmImageMoeModel(Decoder):
         mtp_vq_codes: torch.Tensor | None = None,
         **_: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
-        """Pipeline stage 0: the text + image embedding and (with MTP) the next tokens' (``Decoder.forward_stage``)."""
+        """The text + image embedding and (with MTP) the next tokens': ``forward``'s first step, and pipeline stage
+        0's (``Decoder.forward_stage``)."""
         h = self.embed(input_ids, visual_indices=visual_indices, vq_codes=vq_codes)
         mtp_embeds = None
         if self.config.mtp is not None and mtp_input_ids is not None:
@@ -269,13 +270,10 @@ class GlmImageMoeModel(Decoder):
                 visual_indices=visual_indices, vq_codes=vq_codes, mtp_visual_indices=mtp_visual_indices,
                 mtp_vq_codes=mtp_vq_codes,
             )  # fmt: skip
-        h = self.embed(input_ids, visual_indices=visual_indices, vq_codes=vq_codes)
-        mtp_embeds = None
-        if self.mtp_active(mtp_input_ids):
-            mtp_embeds = self.embed_next_tokens_with_images(
-                mtp_input_ids, input_ids=input_ids, visual_indices=visual_indices, vq_codes=vq_codes,
-                mtp_visual_indices=mtp_visual_indices, mtp_vq_codes=mtp_vq_codes,
-            )  # fmt: skip
+        h, mtp_embeds, _ = self.stage_inputs(
+            input_ids, mtp_input_ids=mtp_input_ids, visual_indices=visual_indices, vq_codes=vq_codes,
+            mtp_visual_indices=mtp_visual_indices, mtp_vq_codes=mtp_vq_codes,
+        )  # fmt: skip
         return self.forward_embedded(
             h,
             position_ids=position_ids,

@@ -377,8 +377,8 @@ class Qwen3VlMoeModel(Decoder):
         video_grid_thw: torch.Tensor | None = None,
         **_: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
-        """Pipeline stage 0: text + visual embeddings, the MTP input, and the deepstack additions after the first
-        layers (all on stage 0: ``pipeline_first_stage_layers``)."""
+        """Text + visual embeddings, the MTP input, and the deepstack additions after the first layers: ``forward``'s
+        first step, and pipeline stage 0's (its deepstack layers all on stage 0: ``pipeline_first_stage_layers``)."""
         mtp = self.config.mtp is not None and mtp_input_ids is not None
         h, idx, deep, after = self._embed(
             input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
@@ -429,25 +429,18 @@ class Qwen3VlMoeModel(Decoder):
             )  # fmt: skip
         if position_ids is None:
             position_ids = self.mrope_positions(input_ids, image_grid_thw, cu_seqlens, video_grid_thw)
-        mtp = self.mtp_active(mtp_input_ids)
-        h, idx, deep, after = self._embed(
-            input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+        h, mtp_embeds, after_layer = self.stage_inputs(  # the MTP input before the layers: h is still the embedding
+            input_ids, mtp_input_ids=mtp_input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
             pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw,
-            mtp_input_ids=mtp_input_ids if mtp else None,
         )  # fmt: skip
-        B, T, D = h.shape
         meta = AttentionMeta(
             cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_host=cu_seqlens_host, token_mask=token_mask
         )
-        mtp_embeds = None
-        if mtp:  # before the layers: h is still the trunk's input embedding
-            mtp_embeds = self._embed_next_tokens_with_visuals(mtp_input_ids, h, after)
         auxes = []
         for i, layer in enumerate(self.layers):
             h = layer(h, position_ids=position_ids, meta=meta)
             auxes.append(layer.pop_aux_loss())  # read right after the layer (activation checkpointing recomputes)
-            if i < len(deep):  # deepstack: the tower's intermediate features join after the first layers
-                h = h.reshape(B * T, D).index_add(0, idx, deep[i]).view(B, T, D)
+            h = after_layer(i, h)  # deepstack: the tower's intermediate features join after the first layers
         aux_loss = combine_aux_losses(auxes)
         if mtp_embeds is not None:
             return self.head_with_mtp(h, aux_loss, mtp_embeds, position_ids=position_ids, meta=meta)
