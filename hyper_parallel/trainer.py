@@ -188,8 +188,6 @@ class Trainer(Configurable):
         # 1. layout, validated before anything is built
         self.parallel_dims = ParallelDims.from_config(config.parallelism, self.world_size)
         self._validate_model_layout()
-        if self.parallel_dims.pp_enabled:
-            self._check_pipeline_options(config)
         self.parallel_dims.build_mesh(self.device.type)
 
         # 2. data: its config is checked against the layout and the model's facts before the model is built
@@ -361,15 +359,6 @@ class Trainer(Configurable):
 
     def _validate_model_layout(self) -> None:
         validate_model_layout(self.spec, self.config.model, self.parallel_dims)
-
-    def _check_pipeline_options(self, config: Config) -> None:
-        """What pipeline parallel does not run yet, refused before anything is built."""
-        if config.checkpoint.export_hf and config.lora.enabled:
-            raise ConfigError(
-                "--checkpoint.export_hf of a LoRA run (--lora.rank > 0) with --parallelism.pipeline_parallel_degree > 1 "
-                "is not supported yet: train with pipeline parallel, then export from the last checkpoint in a run "
-                "without it (the same command with --parallelism.pipeline_parallel_degree 1 --training.steps <last step>)"
-            )
 
     def _dp_coordinates(self) -> tuple[int, int]:
         pd = self.parallel_dims

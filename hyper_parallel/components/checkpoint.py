@@ -56,6 +56,7 @@ from torch.distributed.tensor import DTensor
 
 from hyper_parallel.config.configurable import Configurable, config_to_dict
 from hyper_parallel.distributed.teardown import destroy_group
+from hyper_parallel.rank_log import warn_on_rank0
 
 __all__ = ["CheckpointManager", "ModelWrapper", "assert_finite", "get_rng_state", "set_rng_state"]
 
@@ -435,7 +436,7 @@ class CheckpointManager(Configurable):
             for key, obj in self.global_states.items():
                 if key not in saved:
                     if getattr(obj, "optional_state", False):  # e.g. validation turned on for a resumed run
-                        logger.warning("checkpoint: %s has no %r state: it starts fresh", glob, key)
+                        warn_on_rank0(logger, "checkpoint: %s has no %r state: it starts fresh", glob, key)
                         continue
                     raise KeyError(f"{glob} has no state {key!r} (it has {sorted(saved)})")
                 obj.load_state_dict(saved[key])

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from hyper_parallel.config.configurable import Configurable
+from hyper_parallel.rank_log import warn_on_rank0
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,8 @@ class LRSchedulersContainer(Configurable):
         warmup_steps = config.warmup_steps
         if warmup_steps > total_steps:
             # A short smoke run of a long recipe (torchtitan does the same): warm up over the whole run.
-            logger.warning(
+            warn_on_rank0(
+                logger,
                 "lr_scheduler.warmup_steps=%d > training.steps=%d: warming up over all %d steps",
                 warmup_steps, total_steps, total_steps,
             )  # fmt: skip

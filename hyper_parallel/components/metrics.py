@@ -7,7 +7,8 @@ processor records the loss of every step (for the curve) and, every ``log_freq``
 - ``tps``: tokens per second per rank over the window (``num_tokens`` is this rank's tokens);
 - ``mfu``: ``tps * flops_per_token / peak_flops`` in percent (``flops_per_token`` from
   ``BaseModel.get_nparams_and_flops``; the peak from a table of known GPUs or a measured matmul);
-- ``memory_gib``: peak CUDA memory allocated, or peak process RSS on CPU;
+- ``memory_gib``: peak CUDA memory allocated, or peak process RSS on CPU, the most of any rank (pipeline stages
+  and expert shards differ; the fullest rank is the one that runs out);
 - ``expert_load/<layer>``: max/mean tokens per expert of each MoE layer (1.0 is perfect balance);
 - ``extra`` values as given (e.g. the data's ``bad_samples_skipped``; a mixture's
   ``data/<name>/{tokens,share,epoch,bad_samples_skipped}`` and the trainer's ``loss/<name>``, which
@@ -115,6 +116,15 @@ def _source_parts(record: Mapping[str, Any]) -> str:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _most_of_any_rank(value: float, device: torch.device) -> float:
+    """The largest ``value`` of all ranks (every rank calls: ``log`` emits on the same steps everywhere)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
 
 
 def _start_wandb(config: MetricsProcessor.Config, dump_folder: Path, run_config: Any) -> Any:
@@ -274,7 +284,7 @@ class MetricsProcessor(Configurable):
         record["tps"] = self._tokens_window / window
         if self.flops_per_token and self.peak_flops:
             record["mfu"] = 100.0 * record["tps"] * self.flops_per_token / self.peak_flops
-        record["memory_gib"] = peak_memory_gib(self.device)
+        record["memory_gib"] = _most_of_any_rank(peak_memory_gib(self.device), self.device)
         record["step_time_s"] = window / self._steps_window
         record["elapsed_s"] = now - self._t_start
         if expert_load:

@@ -41,6 +41,7 @@ from hyper_parallel.protocols.hf_storage import (
 )
 from hyper_parallel.protocols.module import unwrapped_name
 from hyper_parallel.protocols.state_dict_adapter import BaseStateDictAdapter
+from hyper_parallel.rank_log import warn_on_rank0
 
 __all__ = [
     "CheckedStateDictAdapter",
@@ -300,7 +301,7 @@ def warn_dropped(keys: Iterable[str], why: str) -> None:
     keys = sorted(keys)
     if keys:
         shown = ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
-        logger.warning("the HF export leaves out %d tensor(s) the loaded folder had (%s): %s", len(keys), shown, why)
+        warn_on_rank0(logger, "the HF export leaves out %d tensor(s) the loaded folder had (%s): %s", len(keys), shown, why)
 
 
 def export_hf_config(hf_config: dict[str, Any], *, dtype: torch.dtype) -> dict[str, Any]:

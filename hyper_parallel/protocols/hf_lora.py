@@ -60,6 +60,9 @@ Sharded models (FSDP / TP / EP DTensors): the adapter is written through ``hf_st
 source tensor gathered once, to the rank that writes it; rank 0 then joins the parts into the single file PEFT
 reads); the merge folds ``B A`` into each rank's own shard of ``W`` (only the small ``A`` / ``B`` are gathered)
 and writes through the family export like any sharded model. Every rank calls every function here.
+Pipeline parallel (inside ``hf_storage.pipeline_stages``): each stage's ranks write that stage's adapters, the
+plan and ``adapter_config.json`` cover every stage (``whole_model_view``), and the merged folder is written
+per stage like the base export.
 """
 
 from __future__ import annotations
@@ -84,8 +87,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.protocols.hf_io import full_tensor, model_state_dict
-from hyper_parallel.protocols.hf_storage import HFFolder, save_converted, writes_once
+from hyper_parallel.protocols.hf_storage import HFFolder, save_converted, whole_model_view, writes_once
 from hyper_parallel.protocols.module import unwrapped_name
+from hyper_parallel.rank_log import warn_on_rank0
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -369,11 +373,13 @@ def save_adapter(
     left out with a warning; the merged export keeps them. Returns the written file names.
     """
     sd = dict(state_dict) if state_dict is not None else model_state_dict(model)
+    # pipeline parallel: this rank holds its stages' keys only, but one folder (and its config) spans every stage
+    view = whole_model_view(sd)
     options = dict(folder_form_options(model) if options is None else options)
-    targets = [t for t in adapter_targets(model.config, sd) if not t.base_key.startswith(_NOT_IN_HF)]
-    left_out = sorted(t.base_key for t in adapter_targets(model.config, sd) if t.base_key.startswith(_NOT_IN_HF))
+    targets = [t for t in adapter_targets(model.config, view) if not t.base_key.startswith(_NOT_IN_HF)]
+    left_out = sorted(t.base_key for t in adapter_targets(model.config, view) if t.base_key.startswith(_NOT_IN_HF))
     if left_out:
-        logger.warning("the LoRA adapter leaves out %d adapted MTP weight(s) (%s, ...): transformers and vLLM build "
+        warn_on_rank0(logger, "the LoRA adapter leaves out %d adapted MTP weight(s) (%s, ...): transformers and vLLM build "
                        "no MTP block for an adapter; the merged export (--lora.export_merged) folds them in",
                        len(left_out), left_out[0])  # fmt: skip
     if not targets:
@@ -384,24 +390,24 @@ def save_adapter(
             f"vLLM serves no modules_to_save (vllm/lora/peft_helper.py); trained in full: {', '.join(trained[:4])}: "
             "serve the merged export, or train without --lora.modules_to_save"
         )
-    shapes = {t.base_key: sd[t.base_key].shape for t in targets} | {k: sd[k].shape for k in trained}
+    shapes = {t.base_key: view[t.base_key].shape for t in targets} | {k: view[k].shape for k in trained}
     rows = hf_rows(spec, model, shapes, **options)
     for key, where in rows.items():
         if not where and key in trained:  # a tied head: the folder holds the embedding only (written under its name)
-            logger.warning("the LoRA adapter writes no %s: the HF export has no tensor of its own for it", key)
+            warn_on_rank0(logger, "the LoRA adapter writes no %s: the HF export has no tensor of its own for it", key)
             trained.remove(key)
         elif not where:
             raise ValueError(f"{key}: the HF export ({options or 'default form'}) writes it nowhere: no adapter form")
 
-    moe = any(".experts." in k for k in sd)  # a model with routed experts (adapted or not)
+    moe = any(".experts." in k for k in view)  # a model with routed experts (adapted or not)
     by_source: dict[str, tuple[str, Any]] = {}  # our key -> (role, plan)
     meta: dict[str, Any] = {"target_modules": set(), "target_parameters": [], "modules_to_save": set()}
     for t in targets:
         where = rows[t.base_key]
         if t.experts:
-            E = sd[t.base_key].shape[0]
-            module = _experts_module(t, where, sd[t.base_key].shape)
-            both = all(f"{t.base_key.rsplit('.', 1)[0]}.{w}_lora_A" in sd for w in _EXPERT_WEIGHTS)
+            E = view[t.base_key].shape[0]
+            module = _experts_module(t, where, view[t.base_key].shape)
+            both = all(f"{t.base_key.rsplit('.', 1)[0]}.{w}_lora_A" in view for w in _EXPERT_WEIGHTS)
             plan = _ExpertsPlan(module, E, inner=both and t.base_key.endswith(_EXPERT_WEIGHTS[0]))
             if form == "peft":
                 meta["target_parameters"].append(f"{module}.{t.base_key.rsplit('.', 1)[1]}")
@@ -448,7 +454,7 @@ def save_adapter(
         return out
 
     path = Path(path)
-    sources = {k: sd[k] for k in by_source}
+    sources = {k: sd[k] for k in by_source if k in sd}  # this rank's own (under pipeline_stages: its stages')
     parts = path / ".adapter_parts"
     save_converted(sources, convert, parts, max_shard_size=1 << 62)
     once = writes_once(sources)

@@ -53,6 +53,7 @@ __all__ = [
     "permute_rows",
     "pipeline_stages",
     "save_converted",
+    "whole_model_view",
     "stack",
     "writes_once",
 ]
@@ -520,6 +521,19 @@ def pipeline_stages(group: dist.ProcessGroup | None) -> Iterator[None]:
         yield
     finally:
         _STAGES.pop()
+
+
+def whole_model_view(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` (this rank's tensors), and under ``pipeline_stages`` a meta tensor (global shape and dtype) for
+    every key only other stages hold: what a writer plans the whole folder from (every stage's keys) while it
+    hands ``save_converted`` this rank's own tensors. Every rank of the stage group calls it together."""
+    if not _STAGES or not (dist.is_available() and dist.is_initialized()):
+        return dict(state)
+    group = _STAGES[-1]
+    held: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(held, {k: (tuple(t.shape), t.dtype) for k, t in state.items()}, group=group)
+    others = {k: torch.empty(shape, dtype=dtype, device="meta") for keys in held for k, (shape, dtype) in keys.items()}
+    return others | dict(state)
 
 
 def _stage_plan(sources: Mapping[str, Any], world: int) -> tuple[dict[str, int], list[list[int]], dict[str, torch.Tensor]]:

@@ -8,7 +8,8 @@ from its own ranks), every step-3 gradient within 1e-4, |dloss| <= 1e-5 at every
 norms within 1e-4.
 
 GlmImageMoe's runs also validate through the pipeline (val/loss as one process), and its PP2 x FSDP2 HF export
-equals the one-process export; PP4 loads it per stage. A checkpoint written by PP2 x FSDP2 resumes on FSDP 4 (no
+equals the one-process export; PP4 loads it per stage. A GlmImageMoe LoRA run under PP2 x FSDP2 trains and exports
+(PEFT adapter, merged folder) as the one-process LoRA run does. A checkpoint written by PP2 x FSDP2 resumes on FSDP 4 (no
 pipeline) and on PP4 to the losses of the uninterrupted run."""
 
 from __future__ import annotations
@@ -45,13 +46,21 @@ WORLD4 = {
 }
 # deepstack adds whole-sequence features between layers: Qwen3-VL's TP runs without sequence parallel
 VL_TP = {"pp2_tp2": [*WORLD4["pp2_tp2"], f"{P}enable_sequence_parallel", "false"]}
+LORA = ["--lora.rank", "4", "--lora.alpha", "8", "--lora.targets", "all-linear", "experts",
+        "--lora.modules_to_save", "lm_head", "--lora.export_merged", "True"]  # fmt: skip
+"""GlmImageMoe fine-tuned with adapters (the LM head, on the last stage, trained in full) under PP2 x FSDP2,
+against the same LoRA run in one process; both export the PEFT adapter and the merged folder."""
+LORA_LAYOUTS = {"pp2_fsdp2_lora": [*WORLD4["pp2_fsdp2"], *LORA]}
+REFERENCE = {"pp2_fsdp2_lora": "lora_ref"}
+"""The one-process run a layout is compared with, where it is not ``ref``."""
 FAMILIES = ("glm", "qwen3_5_moe", "qwen3_vl_moe")
 CASES = [(f, name) for f in FAMILIES for name in (*WORLD2, *(ZBV if f == "qwen3_5_moe" else {}), *WORLD4)]
+CASES += [("glm", name) for name in LORA_LAYOUTS]
 VALIDATION = ["--validation.split", "0.1", "--validation.freq", "3", "--validation.steps", "4"]
 """GlmImageMoe's runs validate too (a held-out split, at the start and after step 3): through the pipeline's
 forward-only schedule, a step's micro-batches at a time."""
 EXPORT = ["--checkpoint.export_hf", "--checkpoint.export_dtype", "float32"]
-EXPORTED = ("ref", "pp2_fsdp2")
+EXPORTED = ("ref", "pp2_fsdp2", "lora_ref", "pp2_fsdp2_lora")
 """GlmImageMoe's runs that write their HF export (each stage's ranks write that stage's files)."""
 
 
@@ -67,10 +76,12 @@ def runs(pool, tmp_path_factory):
             extra = lambda name: [*VALIDATION, *(EXPORT if name in EXPORTED else [])] if family == "glm" else []  # noqa: E731
             return {name: pp_jobs.argv(family, str(tmp / name), STEPS, *flags, *extra(name)) for name, flags in layouts.items()}
 
-        ref = pool.run(pp_jobs.runs_job, 1, argvs({"ref": []}), timeout=600.0)
-        out[family] = {"ref": pp_jobs.merged(ref, "ref")}
+        refs = {"ref": [], **({"lora_ref": LORA} if family == "glm" else {})}
+        ref = pool.run(pp_jobs.runs_job, 1, argvs(refs), timeout=600.0)
+        out[family] = {name: pp_jobs.merged(ref, name) for name in refs}
         world2 = WORLD2 | (ZBV if family == "qwen3_5_moe" else {})
-        for world, layouts in ((2, world2), (4, WORLD4 | (VL_TP if family == "qwen3_vl_moe" else {}))):
+        world4 = WORLD4 | (VL_TP if family == "qwen3_vl_moe" else {}) | (LORA_LAYOUTS if family == "glm" else {})
+        for world, layouts in ((2, world2), (4, world4)):
             per_rank = pool.run(pp_jobs.runs_job, world, argvs(layouts), timeout=900.0)
             out[family] |= {name: pp_jobs.merged(per_rank, name) for name in layouts}
     return out
@@ -78,7 +89,7 @@ def runs(pool, tmp_path_factory):
 
 @pytest.mark.parametrize(("family", "layout"), CASES, ids=[f"{f}-{n}" for f, n in CASES])
 def test_pipeline_layout_matches_single_process(runs, family, layout):
-    out, ref = runs[family][layout], runs[family]["ref"]
+    out, ref = runs[family][layout], runs[family][REFERENCE.get(layout, "ref")]
     assert out["stages"] is not None and "pp=" in out["parallel_dims"]
     assert_matches_reference(out, ref, f"{family} {layout} ({out['parallel_dims']})", learns_by=0.0)
     # after 3 steps: every loss within 1e-5; the step-3 gradients within 1e-4 (two AdamW steps turn 1e-7 of
@@ -87,7 +98,10 @@ def test_pipeline_layout_matches_single_process(runs, family, layout):
     assert_grads_match(out["last_grads"], ref["last_grads"], tol=1e-4)
     if family == "qwen3_5_moe":  # the MTP block (last stage) and the routers of every stage trained
         assert any(n.startswith("mtp.") for n in out["first_grads"]) and any(".mlp.gate." in n for n in out["first_grads"])
-    if family != "qwen3_5_moe":  # the image path (stage 0) trained
+    if layout in LORA_LAYOUTS:  # the adapters of both stages and the head (trained in full, last stage)
+        assert {n.split(".")[1] for n in out["first_grads"] if "lora_" in n} == {"0", "1", "2", "3"}
+        assert "lm_head.weight" in out["first_grads"] and not any(n.endswith("experts.gate_up_proj") for n in out["first_grads"])
+    elif family != "qwen3_5_moe":  # the image path (stage 0) trained
         assert any(n.startswith(("visual.", "vq_to_llm_proj.")) for n in out["first_grads"])
     if family == "glm":  # validation through the pipeline: val/loss at the start and after step 3
         assert len(ref["val"]) == 2 and out["val"] == pytest.approx(ref["val"], abs=1e-5)
@@ -134,3 +148,18 @@ def test_pipeline_hf_export_and_load_per_stage(runs, pool, tmp_path):
     pp4 = pool.run(pp_jobs.runs_job, 4, {"pp4": pp_jobs.argv("glm", str(tmp_path / "pp4"), 2, *load, *WORLD4["pp4"])})
     assert pp4[0]["pp4"]["losses"] == pytest.approx(one["losses"], abs=1e-5)
     assert one["losses"][0] < runs["glm"]["ref"]["losses"][0]  # it started from the trained weights
+
+
+def test_pipeline_lora_export_equals_one_process(runs):
+    """A LoRA run under PP2 x FSDP2 exports what the one-process LoRA run exports: each stage's ranks write that
+    stage's adapters (the LM head, trained in full, from the last stage), and rank 0 joins them into PEFT's one
+    file with one ``adapter_config.json`` naming every stage's modules; the merged folder likewise."""
+    glm = runs["folders"]["glm"]
+    for sub in ("adapter", "merged"):
+        want, got = _folder_tensors(glm / "lora_ref" / "hf" / sub), _folder_tensors(glm / "pp2_fsdp2_lora" / "hf" / sub)
+        assert got.keys() == want.keys() and want, sub
+        worst = max((got[k] - v).abs().max().item() for k, v in want.items())
+        assert worst <= 1e-5, (sub, worst)
+    config = lambda run: (glm / run / "hf" / "adapter" / "adapter_config.json").read_text()  # noqa: E731
+    assert config("pp2_fsdp2_lora") == config("lora_ref")
+    assert '"lm_head"' in config("lora_ref") and not (glm / "pp2_fsdp2_lora" / "hf" / "adapter" / ".adapter_parts").exists()

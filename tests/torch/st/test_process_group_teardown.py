@@ -8,7 +8,8 @@ in each pool worker, forever. Here:
 - jobs of several layouts (FSDP 2 x TP 2 with and without SP, CP 2 x EP 2) leave every worker with its
   baseline threads: the gloo/store threads exactly, all threads within ``SPARE_THREADS``;
 - two Trainers (FSDP 2 x TP 2) built, trained and closed one after the other in one process leave no
-  registered group behind (only the pool's default group) and no group thread once they are collected.
+  registered group behind (only the pool's default group) and no group thread once they are collected;
+  a run through the command-line entry point (``hyper_parallel.train.main``) leaves none as it returns.
 """
 
 from __future__ import annotations
@@ -82,6 +83,17 @@ def two_trainers_job(parallelism: dict[str, Any], dump_folder: str, data_path: s
         registered = len(dist.distributed_c10d._world.pg_map)  # no gc needed: close() destroyed its groups
         gc.collect()  # the dropped Trainer's FSDP reference cycles are what could still hold a group object
         runs.append({"registered_groups": registered, "group_threads": group_threads(os.getpid())})
+    # The command-line entry point frees what its model held before it returns (no gc here): left to
+    # interpreter exit, a live gloo group's threads once aborted a finished 2-rank run in CI.
+    from hyper_parallel import train
+
+    train.main(["--module", "glm_image_moe", "--config", "glm_image_moe_debug", "--training.steps", "1",
+                "--checkpoint.no_enable", "--checkpoint.no_export_hf", "--metrics.no_plot_loss",
+                "--data.path", data_path, "--data.max_tokens_per_microbatch", "256", "--data.global_batch_tokens",
+                "0", "--data.pad_to_multiple_of", "2", "--dump_folder", f"{dump_folder}/cli",
+                *[f"--parallelism.{k}={v}" for k, v in parallelism.items()]])  # fmt: skip
+    runs.append({"registered_groups": len(dist.distributed_c10d._world.pg_map),
+                 "group_threads": group_threads(os.getpid())})  # fmt: skip
     return {"before": before, "runs": runs}
 
 
