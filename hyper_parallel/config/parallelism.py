@@ -32,10 +32,10 @@ class ParallelismConfig:
     """With TP: keep the head output vocab-sharded and compute the loss in parallel."""
     pipeline_parallel_degree: int = 1
     """Pipeline stages' rank groups (mesh axis pp, outermost)."""
-    pipeline_schedule: Literal["1F1B", "Interleaved1F1B", "ZBVZeroBubble", "GPipe"] = "1F1B"
+    pipeline_schedule: Literal["1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV", "GPipe"] = "1F1B"
     """torch.distributed.pipelining schedule."""
     pipeline_stages_per_rank: int = 1
-    """Stages per pipeline rank (Interleaved1F1B >= 2, ZBVZeroBubble 2)."""
+    """Stages per pipeline rank (Interleaved1F1B >= 2, ZBVZeroBubble and DualPipeV 2)."""
     pipeline_split: tuple[int, ...] = ()
     """First layer of each later stage; empty: by layer cost."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"

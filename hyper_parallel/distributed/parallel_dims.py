@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hyper_parallel.config.errors import ConfigError
 from hyper_parallel.config.parallelism import ParallelismConfig
+from hyper_parallel.distributed.pipeline_plan import schedule_rules
 from hyper_parallel.distributed.teardown import release_mesh, track_mesh
 from hyper_parallel.protocols.sharding import MeshAxisName
 
@@ -107,9 +108,9 @@ class ParallelDims:
         if pp < 1:
             raise ConfigError(f"{_P}pipeline_parallel_degree is {pp}; it must be >= 1")
         cls._check_schedule(p.pipeline_schedule, spr, pp)
-        if pp > 1 and p.pipeline_schedule == "ZBVZeroBubble" and p.fsdp_reshard_after_forward == "always":
+        if pp > 1 and schedule_rules(p.pipeline_schedule).splits_weight_grad and p.fsdp_reshard_after_forward == "always":
             raise ConfigError(
-                f"{_P}pipeline_schedule ZBVZeroBubble computes weight gradients apart from input gradients, against "
+                f"{_P}pipeline_schedule {p.pipeline_schedule} computes weight gradients apart from input gradients, against "
                 f"the parameters the forward used, which {_P}fsdp_reshard_after_forward always frees: set it to "
                 "default (never under pipeline parallel) or never"
             )
@@ -167,16 +168,14 @@ class ParallelDims:
 
     @staticmethod
     def _check_schedule(schedule: str, stages_per_rank: int, pp: int) -> None:
-        """The schedule's stages per rank: 1F1B/GPipe one, Interleaved1F1B several, ZBVZeroBubble two (a V)."""
-        want = {"1F1B": "1", "GPipe": "1", "Interleaved1F1B": ">= 2", "ZBVZeroBubble": "2"}
-        if schedule not in want:
-            raise ConfigError(f"{_P}pipeline_schedule is {schedule!r}; use one of {', '.join(want)}")
-        ok = {"1": stages_per_rank == 1, ">= 2": stages_per_rank >= 2, "2": stages_per_rank == 2}[want[schedule]]
-        if pp > 1 and not ok:
+        """The schedule's stages per rank (``pipeline_plan.SCHEDULES``): 1F1B/GPipe one, Interleaved1F1B several,
+        ZBVZeroBubble and DualPipeV two (a V)."""
+        least, most = schedule_rules(schedule).stages_per_rank
+        if pp > 1 and not (least <= stages_per_rank and (most is None or stages_per_rank <= most)):
+            want = f"{least}" if least == most else f">= {least}"
             raise ConfigError(
-                f"{_P}pipeline_schedule {schedule} runs {want[schedule]} stage(s) per rank, but "
-                f"{_P}pipeline_stages_per_rank is {stages_per_rank}: set it to {want[schedule].lstrip('>= ')}"
-                + (" or more" if want[schedule].startswith(">") else "")
+                f"{_P}pipeline_schedule {schedule} runs {want} stage(s) per rank, but "
+                f"{_P}pipeline_stages_per_rank is {stages_per_rank}: set it to {least}" + (" or more" if most is None else "")
             )
         if pp == 1 and stages_per_rank != 1:
             raise ConfigError(

@@ -4,8 +4,10 @@
 rank's stage models (the model class itself, restricted: ``Decoder.restrict_to_stage``, FQNs unchanged) and,
 once the caller has parallelized and materialised them, wraps each in a ``PipelineStage`` on the ``pp`` group
 and builds the schedule (``Schedule1F1B``, ``ScheduleGPipe``, ``ScheduleInterleaved1F1B``,
-``ScheduleZBVZeroBubble``). FSDP, TP, EP and CP live inside each stage model, unchanged: the stage's root is an
-FSDP module, so the schedule holds its gradient reduction back to the step's last backward.
+``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``: ``pipeline_plan.SCHEDULES``). DualPipeV's overlapped
+forward-backward pairs run one after the other (torch's default without an overlap callback). FSDP, TP, EP and
+CP live inside each stage model, unchanged: the stage's root is an FSDP module, so the schedule holds its
+gradient reduction back to the step's last backward.
 
 A step's micro-batches are the data loader's (each with its own documents, ``cu_seqlens``, images), so the
 schedule is driven with them as they are (``_step_microbatches``: ``step()`` would cut one batch into equal
@@ -24,39 +26,37 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import schedules as torch_schedules
 
 from hyper_parallel.config.errors import ConfigError
 from hyper_parallel.config.parallelism import ParallelismConfig
 from hyper_parallel.distributed.parallel_dims import ParallelDims
-from hyper_parallel.distributed.pipeline_plan import StageSpan, plan_stages, stage_ranks, stages_of_rank
+from hyper_parallel.distributed.pipeline_plan import (
+    StageSpan,
+    min_microbatches,
+    plan_stages,
+    schedule_rules,
+    stage_ranks,
+    stages_of_rank,
+)
 
 __all__ = ["PipelineParallel", "check_microbatches"]
 
 _P = "--parallelism."
-_SCHEDULES = {
-    "1F1B": Schedule1F1B,
-    "GPipe": ScheduleGPipe,
-    "Interleaved1F1B": ScheduleInterleaved1F1B,
-    "ZBVZeroBubble": ScheduleZBVZeroBubble,
-}
 
 
 def check_microbatches(
     parallel_dims: ParallelDims, schedule: str, n: int, *, tokens_per_microbatch: int | None
 ) -> None:
-    """The schedule's micro-batches per step: at least ``pp`` (GPipe: 1), Interleaved1F1B a multiple of ``pp``.
-    ``ConfigError`` names the ``--data.global_batch_tokens`` that fits (given ``tokens_per_microbatch``)."""
+    """The schedule's micro-batches per step (``pipeline_plan.SCHEDULES``): at least ``pp`` (GPipe: 1; DualPipeV:
+    one per stage), Interleaved1F1B a multiple of ``pp``. ``ConfigError`` names the ``--data.global_batch_tokens``
+    that fits (given ``tokens_per_microbatch``)."""
     pd = parallel_dims
-    need = 1 if schedule == "GPipe" else pd.pp
-    if n >= need and not (schedule == "Interleaved1F1B" and n % pd.pp):
+    multiple = schedule_rules(schedule).multiple_of_pp
+    need = min_microbatches(schedule, pd.pp, pd.pp_stages_per_rank)
+    if n >= need and not (multiple and n % pd.pp):
         return
-    rule = f"a multiple of {pd.pp}" if schedule == "Interleaved1F1B" else f">= {need}"
+    rule = f"a multiple of {pd.pp}" if multiple else f">= {need}"
     fit = -(-max(n, need) // need) * need
     hint = f" to {fit * pd.dp * tokens_per_microbatch}" if tokens_per_microbatch else ""
     raise ConfigError(
@@ -159,8 +159,9 @@ class PipelineParallel:
             )  # fmt: skip
             for s, part in zip(self.stage_ids, self.parts, strict=True)
         ]
-        cls = _SCHEDULES[self.schedule_name]
-        one = cls in (Schedule1F1B, ScheduleGPipe)
+        rules = schedule_rules(self.schedule_name)
+        cls = getattr(torch_schedules, rules.torch_class)
+        one = rules.stages_per_rank == (1, 1)  # a single-stage schedule takes the stage, the others a list
         schedule = cls(
             stages[0] if one else stages, n_microbatches=self._n_microbatches, loss_fn=self._loss_fn,
             scale_grads=False,

@@ -9,20 +9,73 @@ automatic split balances ``first + layers`` against ``layers + last``. A manual 
 (``--parallelism.pipeline_split``) gives the first layer of every stage after the first.
 
 Stages map to ranks the way torch.distributed.pipelining's schedules expect: one stage per rank (1F1B, GPipe),
-a loop (Interleaved1F1B: stage ``s`` on rank ``s % pp``) or a V (ZBVZeroBubble: rank ``r`` holds ``r`` and
-``2 pp - 1 - r``, so the first and the last stage share rank 0).
+a loop (Interleaved1F1B: stage ``s`` on rank ``s % pp``) or a V (ZBVZeroBubble, DualPipeV: rank ``r`` holds ``r``
+and ``2 pp - 1 - r``, so the first and the last stage share rank 0).
+
+Every rule a schedule imposes is one row of ``SCHEDULES`` (``ScheduleRules``): the layout check
+(``ParallelDims``), the stage placement here, the micro-batch check (``pipeline_parallel.check_microbatches``) and
+the dry run read it, so a schedule is added in one place.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args, get_type_hints
 
 from hyper_parallel.config.errors import ConfigError
+from hyper_parallel.config.parallelism import ParallelismConfig
 
-__all__ = ["StageCosts", "StageSpan", "plan_stages", "stage_ranks", "stages_of_rank"]
+__all__ = [
+    "SCHEDULES", "ScheduleRules", "StageCosts", "StageSpan", "min_microbatches", "plan_stages", "schedule_rules",
+    "stage_ranks", "stages_of_rank",
+]  # fmt: skip
 
 _P = "--parallelism."
+
+
+@dataclass(frozen=True)
+class ScheduleRules:
+    """What one ``torch.distributed.pipelining`` schedule requires of a layout and a step."""
+
+    torch_class: str
+    """The schedule's class in ``torch.distributed.pipelining.schedules``."""
+    stages_per_rank: tuple[int, int | None]
+    """Allowed ``--parallelism.pipeline_stages_per_rank``: (least, most; None: no bound)."""
+    placement: Literal["loop", "v"]
+    """Stage ``s`` on pp rank ``s % pp`` (loop), or rank ``r`` holding ``r`` and ``2 pp - 1 - r`` (V)."""
+    min_microbatches: Literal["one", "pp", "stages"]
+    """The fewest micro-batches per step: 1, ``pp``, or one per stage (``pp x stages_per_rank``)."""
+    multiple_of_pp: bool = False
+    """Micro-batches per step must be a multiple of ``pp``."""
+    splits_weight_grad: bool = False
+    """Weight gradients run apart from (after) input gradients, against the parameters the forward used: FSDP
+    must keep them unsharded between the two (no ``fsdp_reshard_after_forward always``)."""
+
+
+SCHEDULES: dict[str, ScheduleRules] = {
+    "1F1B": ScheduleRules("Schedule1F1B", (1, 1), "loop", "pp"),
+    "GPipe": ScheduleRules("ScheduleGPipe", (1, 1), "loop", "one"),
+    "Interleaved1F1B": ScheduleRules("ScheduleInterleaved1F1B", (2, None), "loop", "pp", multiple_of_pp=True),
+    "ZBVZeroBubble": ScheduleRules("ScheduleZBVZeroBubble", (2, 2), "v", "pp", splits_weight_grad=True),
+    "DualPipeV": ScheduleRules("ScheduleDualPipeV", (2, 2), "v", "stages", splits_weight_grad=True),
+}
+"""The schedules ``--parallelism.pipeline_schedule`` names, and their rules."""
+_NAMES = get_args(get_type_hints(ParallelismConfig)["pipeline_schedule"])
+assert set(_NAMES) == set(SCHEDULES), f"ParallelismConfig.pipeline_schedule {_NAMES} vs SCHEDULES {list(SCHEDULES)}"
+
+
+def schedule_rules(schedule: str) -> ScheduleRules:
+    """The rules of ``schedule``; a ``ConfigError`` lists the names when it is none of them."""
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"{_P}pipeline_schedule is {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    return SCHEDULES[schedule]
+
+
+def min_microbatches(schedule: str, pp: int, stages_per_rank: int) -> int:
+    """The fewest micro-batches per step ``schedule`` runs over ``pp`` ranks of ``stages_per_rank`` stages."""
+    need = schedule_rules(schedule).min_microbatches
+    return {"one": 1, "pp": pp, "stages": pp * stages_per_rank}[need]
 
 
 @dataclass(frozen=True)
@@ -136,8 +189,8 @@ def plan_stages(costs: StageCosts, num_stages: int, split: Sequence[int] = ()) -
 
 def stage_ranks(num_stages: int, pp: int, schedule: str) -> list[int]:
     """The pp rank of every stage: stage ``s`` on ``s % pp`` (one stage per rank, or Interleaved1F1B's loop);
-    ZBVZeroBubble's V: rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``."""
-    if schedule == "ZBVZeroBubble":
+    a V schedule's (ZBVZeroBubble, DualPipeV): rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``."""
+    if schedule_rules(schedule).placement == "v":
         return [s if s < pp else 2 * pp - 1 - s for s in range(num_stages)]
     return [s % pp for s in range(num_stages)]
 

@@ -19,12 +19,15 @@ Rules (``P`` pipeline ranks, ``M`` micro-batches per step, ``v`` stages per rank
   the one in its steady 1F1B pair); Interleaved1F1B ``min(v M, 2 (P - r - 1) + (v - 1) P + 1)`` model chunks, each
   ``1/v`` of the rank's layers (Megatron-LM's interleaved warm-up, ``schedules.py``); ZBVZeroBubble ``min(M, P)``
   micro-batches of the rank's two chunks (ZB-V keeps 1F1B's peak activation memory: Qi et al., "Zero Bubble
-  Pipeline Parallelism", ICLR 2024, section 4).
+  Pipeline Parallelism", ICLR 2024, section 4); DualPipeV ``min(2 M, 2 P + 1) / 2`` (the DualPipe README's table:
+  ``PP + 1`` stage-sized micro-batch activations per device for ``PP = 2 P`` stages on ``P`` devices).
 - bubble fraction of the step (``bubble_fraction``): GPipe and 1F1B ``(P - 1) / (M + P - 1)`` (Narayanan et al.,
   "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC 2021, section 2.2.1);
   Interleaved1F1B ``(P - 1) / (v M + P - 1)`` (same paper, section 2.2.2: the bubble shrinks by ``v``); ZBVZeroBubble
   0 (Qi et al.: no bubble once ``M >= P`` when forward, input-gradient and weight-gradient passes take equal time;
-  the trainer requires ``M >= P``).
+  the trainer requires ``M >= P``); DualPipeV 0 (its bubble ``(PP/2 - 1)(F&B + B - 3W)`` of the DualPipe README
+  vanishes with equal F, B, W times even when the F&B pairs do not overlap, as here; the trainer requires
+  ``M >= 2 P``).
 - p2p bytes (``boundary_bytes``): per micro-batch and stage boundary each rank of the sending stage sends its hidden
   states ``[1, T / (cp x tp if sequence parallel), D]`` in the compute dtype, the MTP block's
   input embeddings ``[1, T / cp, D]`` when MTP is on (not split by tp), and ``(2 E + 2) x 4`` bytes of router statistics when the MoE aux loss is on; the
@@ -48,7 +51,7 @@ from hyper_parallel.config.dtypes import to_torch_dtype
 from hyper_parallel.config.lora import freeze_lora_base, lora_trainable_names
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.distributed.pipeline_parallel import check_microbatches
-from hyper_parallel.distributed.pipeline_plan import StageSpan, plan_stages, stage_ranks, stages_of_rank
+from hyper_parallel.distributed.pipeline_plan import StageSpan, plan_stages, schedule_rules, stage_ranks, stages_of_rank
 from hyper_parallel.dry_run.layout import RankMemory
 from hyper_parallel.dry_run.simulation import CommLog, SimulationMode
 from hyper_parallel.dry_run.step import materialize_with_optimizer, micro_batch
@@ -69,7 +72,7 @@ def bubble_fraction(schedule: str, pp: int, micro_batches: int, stages_per_rank:
     """Idle fraction of a step's time on every pipeline rank (rules in the module docstring)."""
     if pp <= 1:
         return 0.0
-    if schedule == "ZBVZeroBubble":
+    if schedule_rules(schedule).splits_weight_grad:  # ZBVZeroBubble, DualPipeV
         return 0.0
     v = stages_per_rank if schedule == "Interleaved1F1B" else 1
     return (pp - 1) / (v * micro_batches + pp - 1)
@@ -87,6 +90,10 @@ def in_flight(schedule: str, pp: int, micro_batches: int, pp_rank: int, stages_p
         return min(v * m, 2 * (p - r - 1) + (v - 1) * p + 1) / v
     if schedule == "ZBVZeroBubble":
         return float(min(m, p))
+    if schedule == "DualPipeV":
+        return min(2 * m, 2 * p + 1) / 2
+    if schedule_rules(schedule).stages_per_rank != (1, 1):
+        raise ValueError(f"the dry run has no in-flight rule for pipeline schedule {schedule}")
     return float(min(m, p - r))
 
 
@@ -433,6 +440,8 @@ def _bubble_rule(plan: PipelinePlan) -> str:
     p, m, v = plan.pp, plan.micro_batches, plan.stages_per_rank
     if plan.schedule == "ZBVZeroBubble":
         return "ZB-V: none with M >= P and equal F/B/W times"
+    if plan.schedule == "DualPipeV":
+        return "DualPipeV: (P-1)(F&B+B-3W), none with M >= 2P and equal F/B/W times"
     if plan.schedule == "Interleaved1F1B":
         return f"(P-1)/(vM+P-1) = {p - 1}/({v}x{m}+{p - 1})"
     return f"(P-1)/(M+P-1) = {p - 1}/({m}+{p - 1})"

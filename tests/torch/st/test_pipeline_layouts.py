@@ -1,6 +1,6 @@
 """Pipeline parallel through the real trainer (``--parallelism.pipeline_*`` flags, torch.distributed.pipelining)
 reproduces the one-process run (fp32, gloo): PP2 and PP4 with 1F1B, PP2 with two stages per rank
-(Interleaved1F1B; and the zero-bubble V schedule for Qwen3.5-MoE), and PP2 composed with FSDP 2, TP 2, EP 2 and CP 2, for
+(Interleaved1F1B; and the zero-bubble V and DualPipeV schedules for Qwen3.5-MoE), and PP2 composed with FSDP 2, TP 2, EP 2 and CP 2, for
 GlmImageMoe (images, its toy corpus), Qwen3.5-MoE with its MTP block (MTP embeddings made on stage 0 cross the
 stages; the MoE aux loss's router statistics travel with them) and Qwen3-VL-MoE (the tower and the deepstack
 layers on stage 0): every first-step parameter gradient within 1e-5 relative (each stage's parameters gathered
@@ -35,8 +35,12 @@ WORLD2 = {
     "pp2": _pp(2),
     "pp2_interleaved": _pp(2, f"{P}pipeline_schedule", "Interleaved1F1B", f"{P}pipeline_stages_per_rank", "2"),
 }
-ZBV = {"pp2_zbv": _pp(2, f"{P}pipeline_schedule", "ZBVZeroBubble", f"{P}pipeline_stages_per_rank", "2")}
-"""The zero-bubble V (two stages per rank, weight gradients apart): for the family with MTP and the aux loss."""
+ZBV = {
+    "pp2_zbv": _pp(2, f"{P}pipeline_schedule", "ZBVZeroBubble", f"{P}pipeline_stages_per_rank", "2"),
+    "pp2_dualpipev": _pp(2, f"{P}pipeline_schedule", "DualPipeV", f"{P}pipeline_stages_per_rank", "2"),
+}
+"""The V schedules (two stages per rank, weight gradients apart: zero-bubble V and DualPipeV, 4 micro-batches per
+step), for the family with MTP and the aux loss."""
 WORLD4 = {
     "pp4": _pp(4),
     "pp2_fsdp2": _pp(2, f"{P}data_parallel_shard_degree", "2"),

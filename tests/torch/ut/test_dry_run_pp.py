@@ -39,6 +39,7 @@ def test_bubble_fraction_per_schedule():
     assert bubble_fraction("GPipe", 4, 4) == pytest.approx(3 / 7)
     assert bubble_fraction("Interleaved1F1B", 4, 8, stages_per_rank=2) == pytest.approx(3 / 19)
     assert bubble_fraction("ZBVZeroBubble", 4, 8, stages_per_rank=2) == 0.0
+    assert bubble_fraction("DualPipeV", 4, 8, stages_per_rank=2) == 0.0
     assert bubble_fraction("1F1B", 1, 8) == 0.0
 
 
@@ -49,6 +50,9 @@ def test_micro_batches_in_flight_per_stage():
     # Megatron's interleaved warm-up: 2 (P - r - 1) + (v - 1) P + 1 chunks, each half of the rank's layers
     assert [in_flight("Interleaved1F1B", 4, 8, r, 2) for r in range(4)] == [5.5, 4.5, 3.5, 2.5]
     assert [in_flight("ZBVZeroBubble", 4, 8, r, 2) for r in range(4)] == [4] * 4
+    # DualPipe README: PP + 1 stage-sized activations per device (PP = 2 P stages), i.e. P + 1/2 of the rank's layers
+    assert [in_flight("DualPipeV", 4, 8, r, 2) for r in range(4)] == [4.5] * 4
+    assert in_flight("DualPipeV", 4, 2, 0, 2) == 2.0  # no more than the step's micro-batches
 
 
 def test_p2p_bytes_per_boundary():
@@ -64,12 +68,14 @@ def test_p2p_bytes_per_boundary():
     assert [pp_group(r, pd) for r in range(8)] == [0] * 4 + [1] * 4
 
 
-def test_p2p_sends_per_rank_skip_local_boundaries():
-    """ZB-V over 2 ranks: stages 0, 3 on rank 0 and 1, 2 on rank 1; the 1 -> 2 boundary stays on rank 1."""
-    report = _debug_pp("--parallelism.pipeline_schedule", "ZBVZeroBubble", "--parallelism.pipeline_stages_per_rank",
-                       "2", "--no_step")  # fmt: skip
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "DualPipeV"])
+def test_p2p_sends_per_rank_skip_local_boundaries(schedule):
+    """A V over 2 ranks: stages 0, 3 on rank 0 and 1, 2 on rank 1; the 1 -> 2 boundary stays on rank 1 (4
+    micro-batches per step: DualPipeV runs at least one per stage)."""
+    report = _debug_pp("--parallelism.pipeline_schedule", schedule, "--parallelism.pipeline_stages_per_rank", "2",
+                       "--data.global_batch_tokens", "8192", "--no_step")  # fmt: skip
     pipe = report.pipeline
-    assert pipe.stage_rank == [0, 1, 1, 0] and pipe.boundaries == 2 and pipe.bubble == 0.0
+    assert pipe.stage_rank == [0, 1, 1, 0] and pipe.boundaries == 2 and pipe.bubble == 0.0 and pipe.micro_batches == 4
     per = pipe.micro_batches * pipe.boundary_bytes
     assert [pipe.rank_sent_bytes(r) for r in range(2)] == [2 * per, 2 * per]
 

@@ -128,3 +128,23 @@ def test_microbatch_count_is_checked_with_the_fix_named():
     pd = _dims(4, pipeline_parallel_degree=2, pipeline_schedule="Interleaved1F1B", pipeline_stages_per_rank=2)
     with pytest.raises(ConfigError, match="a multiple of 2.*has 3.*to 2048"):
         check_microbatches(pd, "Interleaved1F1B", 3, tokens_per_microbatch=256)
+    pd = _dims(4, pipeline_parallel_degree=2, pipeline_schedule="DualPipeV", pipeline_stages_per_rank=2)
+    check_microbatches(pd, "DualPipeV", 4, tokens_per_microbatch=256)  # one per stage
+    with pytest.raises(ConfigError, match="DualPipeV over 2 ranks needs >= 4 micro-batches.*has 3.*to 2048"):
+        check_microbatches(pd, "DualPipeV", 3, tokens_per_microbatch=256)
+
+
+def test_every_schedule_has_its_rules_and_the_layout_check_reads_them():
+    from hyper_parallel.distributed.pipeline_parallel import torch_schedules
+    from hyper_parallel.distributed.pipeline_plan import SCHEDULES
+
+    assert {n: hasattr(torch_schedules, r.torch_class) for n, r in SCHEDULES.items()} == dict.fromkeys(SCHEDULES, True)
+    assert stage_ranks(4, 2, "DualPipeV") == [0, 1, 1, 0] == stage_ranks(4, 2, "ZBVZeroBubble")
+    assert stage_ranks(4, 2, "Interleaved1F1B") == [0, 1, 0, 1]
+    with pytest.raises(ConfigError, match="DualPipeV runs 2 stage.*pipeline_stages_per_rank is 3: set it to 2$"):
+        _dims(4, pipeline_parallel_degree=2, pipeline_schedule="DualPipeV", pipeline_stages_per_rank=3)
+    with pytest.raises(ConfigError, match="Interleaved1F1B runs >= 2 stage.*is 1: set it to 2 or more"):
+        _dims(4, pipeline_parallel_degree=2, pipeline_schedule="Interleaved1F1B")
+    with pytest.raises(ConfigError, match="DualPipeV computes weight gradients apart.*always frees"):
+        ParallelDims.from_config(ParallelismConfig(pipeline_parallel_degree=2, pipeline_schedule="DualPipeV",
+                                                   pipeline_stages_per_rank=2, fsdp_reshard_after_forward="always"), 4)  # fmt: skip
