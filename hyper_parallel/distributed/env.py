@@ -8,7 +8,6 @@ one-rank world, so the rest of the code never special-cases "not distributed".
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import math
 import os
@@ -105,7 +104,6 @@ def destroy_distributed() -> None:
     release_tracked_meshes()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    gc.collect()  # frees the groups that unreferenced models still held, so their gloo threads end now
 
 
 def set_pg_timeouts(timeout_seconds: int, world_mesh: DeviceMesh | None = None) -> None:
