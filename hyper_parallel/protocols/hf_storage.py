@@ -529,23 +529,26 @@ def whole_model_view(state: Mapping[str, Any]) -> dict[str, Any]:
     hands ``save_converted`` this rank's own tensors. Every rank of the stage group calls it together."""
     if not _STAGES or not (dist.is_available() and dist.is_initialized()):
         return dict(state)
-    group = _STAGES[-1]
-    held: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(held, {k: (tuple(t.shape), t.dtype) for k, t in state.items()}, group=group)
+    held = _held_per_stage(state)
     others = {k: torch.empty(shape, dtype=dtype, device="meta") for keys in held for k, (shape, dtype) in keys.items()}
     return others | dict(state)
+
+
+def _held_per_stage(state: Mapping[str, Any]) -> list[dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+    """Under ``pipeline_stages``: ``key -> (global shape, dtype)`` of what every pp index holds (one gather)."""
+    group = _STAGES[-1]
+    held: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(held, {k: (tuple(_meta(t).shape), _meta(t).dtype) for k, t in state.items()}, group=group)
+    return held
 
 
 def _stage_plan(sources: Mapping[str, Any], world: int) -> tuple[dict[str, int], list[list[int]], dict[str, torch.Tensor]]:
     """Under ``pipeline_stages``: ``(key -> the pp index writing it, global ranks of every pp index, meta tensors
     of every stage's keys)``. A key several stages hold (a passthrough reference every rank keeps) goes to the
     first of them."""
-    group = _STAGES[-1]
-    mine = {k: (tuple(_meta(t).shape), _meta(t).dtype) for k, t in sources.items()}
-    held: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(held, mine, group=group)
+    held = _held_per_stage(sources)
     index: list[Any] = [None] * world
-    dist.all_gather_object(index, dist.get_rank(group))
+    dist.all_gather_object(index, dist.get_rank(_STAGES[-1]))
     ranks = [[r for r in range(world) if index[r] == p] for p in range(len(held))]
     holder: dict[str, int] = {}
     metas: dict[str, torch.Tensor] = {}
