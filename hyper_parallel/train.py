@@ -9,10 +9,12 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from hyper_parallel.components.checkpoint import UnsafeCheckpointError
 from hyper_parallel.config.manager import ConfigManager, run_cli
 from hyper_parallel.distributed.env import intra_op_threads
 
@@ -39,6 +41,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         trainer = config.build()
         try:
             summary = trainer.train()
+        except KeyboardInterrupt:
+            raise Interrupted(_interrupted_message(trainer)) from None
         finally:
             trainer.close()
         # close() destroyed every group, but the model still holds FSDP's and EP's gloo groups in reference
@@ -52,5 +56,46 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return summary
 
 
+class Interrupted(Exception):
+    """Ctrl-C during training; the message names the last complete checkpoint (a rerun resumes from it)."""
+
+
+def _interrupted_message(trainer: Any) -> str:
+    """What a Ctrl-C leaves: the last complete checkpoint, which the same command resumes from."""
+    ck = getattr(trainer, "checkpointer", None)
+    steps = ck.complete_steps() if ck is not None and ck.config.enable else []
+    at = f"interrupted during step {trainer.step}"
+    if steps:
+        return (f"{at}: the last complete checkpoint is {ck.step_dir(steps[-1])} (step {steps[-1]}); run the same "
+                "command again to resume from it")  # fmt: skip
+    return f"{at}: no complete checkpoint in {ck.folder if ck is not None else 'the dump folder'}; a rerun starts afresh"
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Errors of the user's input (data, HF folders, checkpoints, layout, config): their message says what to
+    change, so the command line prints it as one line (exit code 2) instead of a traceback."""
+    from hyper_parallel.data import DataStateMismatch
+    from hyper_parallel.data.bad_samples import BadSampleError
+    from hyper_parallel.data.chat import ChatTemplateError
+    from hyper_parallel.data.vision_language.preprocess import MediaError
+    from hyper_parallel.protocols.hf_io import CheckpointKeyError
+    from hyper_parallel.protocols.hf_quant import UnsupportedQuantizationError
+    from hyper_parallel.protocols.hf_storage import HFCheckpointError
+
+    return (
+        BadSampleError, DataStateMismatch, ChatTemplateError, MediaError, CheckpointKeyError,
+        UnsupportedQuantizationError, HFCheckpointError, FileNotFoundError, UnsafeCheckpointError,
+    )  # fmt: skip
+
+
+def _cli(argv: Sequence[str] | None = None) -> None:
+    """``python -m hyper_parallel.train``: user errors are one line (exit code 2), Ctrl-C one line (130)."""
+    try:
+        run_cli(lambda: main(argv), user_errors=user_errors())
+    except Interrupted as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
 if __name__ == "__main__":
-    run_cli(main)
+    _cli()

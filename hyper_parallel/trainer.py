@@ -9,6 +9,7 @@ optimizer, LR schedule, EMA -> validator -> checkpoint manager (resume) -> metri
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -38,6 +39,7 @@ from hyper_parallel.components import (
 from hyper_parallel.components.loss import top1_correct
 from hyper_parallel.components.source_metrics import SourceLossMeter
 from hyper_parallel.components.validate import Validator
+from hyper_parallel import torch_features
 from hyper_parallel.config import (
     ActivationCheckpointConfig,
     CommConfig,
@@ -51,7 +53,8 @@ from hyper_parallel.config.dtypes import to_torch_dtype
 from hyper_parallel.config.errors import ConfigError
 from hyper_parallel.config.lora import LoRAConfig, apply_lora, freeze_lora_base, lora_targets, lora_trainable_names
 from hyper_parallel.data import DataConfig, DataStateMismatch
-from hyper_parallel.data.packing import add_mtp_targets
+from hyper_parallel.data.packing import add_mtp_targets, batch_to_device
+from hyper_parallel.data.tokenizer_check import check_run_tokenizer
 from hyper_parallel.distributed.context_parallel import split_batch_for_cp
 from hyper_parallel.distributed.env import init_distributed, set_determinism, set_pg_timeouts, world_info
 from hyper_parallel.distributed.fsdp import set_gradient_reduction
@@ -65,6 +68,7 @@ from hyper_parallel.protocols.hf_model import (
     check_mtp_tensors,
     has_checkpoint,
     resolve_run_model,
+    resumed_folder_config,
 )
 from hyper_parallel.protocols.hf_serving import write_serving_files
 from hyper_parallel.protocols.hf_storage import pipeline_stages
@@ -94,7 +98,7 @@ class Trainer(Configurable):
         model_spec: str
         """Registered model spec (the model package's parallelize function and HF adapter)."""
         model: BaseModel.Config
-        """The model's config tree (the recipe builds it with the package's flavor builder)."""
+        """The model's config tree (the recipe builds it with the package's flavor builder). With --checkpoint.initial_load_path DIR (an HF folder) the model is DIR's config.json: these values are the recipe's, used without a folder; only the training-only options (use_mtp, mtp_loss_weight, router_aux_loss_coef, freeze) apply on top of a folder."""
         training: TrainingConfig = field(default_factory=TrainingConfig)
         """Training loop options."""
         parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
@@ -137,7 +141,7 @@ class Trainer(Configurable):
         def validate(self) -> None:
             """Cheap checks of the run config that need no process group."""
             if self.training.steps < 1:
-                raise ValueError(f"training.steps={self.training.steps} must be >= 1")
+                raise ConfigError(f"--training.steps {self.training.steps}: the run needs at least 1 step (>= 1)")
             if self.training.moe_bias_update_rate < 0:
                 raise ValueError(f"training.moe_bias_update_rate={self.training.moe_bias_update_rate} must be >= 0")
             self.validation.check()
@@ -179,8 +183,15 @@ class Trainer(Configurable):
         set_determinism(config.debug.seed, deterministic=config.debug.deterministic)
         torch.autograd.set_detect_anomaly(config.debug.detect_anomaly)
         self.spec: ModelSpec = discover_model_spec(config.model_spec)
-        # 0. the model: an HF folder's (checkpoint.initial_load_path) or, without one, the recipe's
+        self._log(torch_features.describe())  # what this torch lacks of the APIs we use, and the fallback taken
+        # 0. the model: an HF folder's (checkpoint.initial_load_path) or, without one, the recipe's; a resumed run
+        # started from a folder rebuilds that folder's model even when the command leaves the path out
+        config = self.config = resumed_folder_config(config)
         self.run_model = self._resolve_model(config)
+        # the data's tokenizer is the folder's (--data.allow_foreign_tokenizer: another on purpose)
+        check_run_tokenizer(self.run_model.folder, config.data)
+        if config.validation.data.path or config.validation.data.sources:  # validation data of its own: the same rule
+            check_run_tokenizer(self.run_model.folder, config.validation.data, allow=config.data.allow_foreign_tokenizer)
         # LoRA changes the model config only here, after the folder/recipe resolution: the folder's model is what
         # the adapters sit on, and a resume compares models without them.
         config = self.config = dataclasses.replace(config, model=apply_lora(self.run_model.config, config.lora))
@@ -227,7 +238,11 @@ class Trainer(Configurable):
             self.lora_trainable = frozenset(lora_trainable_names(model, config.lora.modules_to_save))
             freeze_lora_base(model, self.lora_trainable)
         nparams, self.flops_per_token = model.get_nparams_and_flops(config.data.max_tokens_per_microbatch)
-        self._log(f"model {config.model_spec}: {nparams:,} parameters, {self.flops_per_token:.3g} training FLOPs/token")
+        self._log(f"model {config.model_spec}: {nparams:,} parameters, {self.flops_per_token:.3g} training FLOPs/token "
+                  f"at one {config.data.max_tokens_per_microbatch}-token document (each step logs its own)")  # fmt: skip
+        self.flops_model: BaseModel = copy.deepcopy(model)
+        """A meta copy of the whole model (never a pipeline stage, never wrapped by the parallelisms) that counts each
+        step's FLOPs from its documents (``BaseModel.training_flops``)."""
         if config.lora.enabled:
             self._log_lora(model)
         self.pipeline: PipelineParallel | None = None
@@ -272,6 +287,8 @@ class Trainer(Configurable):
         # 5. checkpoints (resume from the newest complete one), metrics
         self.step = 0
         self.model_has_aux_loss: bool | None = None  # learnt from the first step's output
+        self._nonfinite_state: torch.Tensor | None = None  # device: first non-finite step since the last read
+        self._step_mode = (True, True)  # train_step's default (read_stats, logged); train() sets it per step
         self.mtp_config = getattr(config.model, "mtp", None)
         """The model's multi-token-prediction block (None = off): the batch gets MTP targets, the loss its term."""
         if self.pipeline is not None:
@@ -334,6 +351,11 @@ class Trainer(Configurable):
                 f"model from {run_model.folder}/config.json"
                 + (f"; differs from the recipe in: {', '.join(diff)}" if diff else " (the recipe's model)")
             )
+        if self.spec.fit_to_data is not None:  # the model the data needs (GlmImageMoe: an image path for image tokens)
+            fitted, note = self.spec.fit_to_data(run_model.config, config.data.source_types())
+            if note is not None:
+                self._log(note)
+                run_model = dataclasses.replace(run_model, config=fitted)
         if run_model.folder_changed and self.rank == 0:
             logger.warning(
                 "%s/config.json changed since this run started: resuming the model the run started with "
@@ -476,33 +498,51 @@ class Trainer(Configurable):
         with cfg.profiling.build(dump_folder=self.dump_folder, global_step=self.step, device=self.device) as profiler:
             if self.step == 0 and self.validator.due(0):  # where the run starts (validation.at_start)
                 self._validate()
+            pending: list[tuple[int, dict[str, Any]]] = []  # steps whose stats are still on the device
+
+            def flush() -> None:  # read the pending steps' stats (one device->host copy) and log them in order
+                nonlocal first_loss, last_loss
+                for step, stats in zip([st for st, _ in pending], self._read_stats(pending), strict=True):
+                    losses.append(stats["loss"])
+                    first_loss = stats["loss"] if first_loss is None else first_loss
+                    last_loss = stats["loss"]
+                    # log() accumulates tokens and time every step and emits every log_freq steps
+                    self.metrics.log(
+                        step,
+                        loss=stats["loss"],
+                        grad_norm=stats["grad_norm"],
+                        lr=stats["lr"],
+                        num_tokens=stats["num_tokens"],
+                        expert_load=stats["expert_load"],
+                        extra=stats["extra"],
+                        flops_per_token=stats.get("flops_per_token"),
+                    )
+                pending.clear()
+
             while self.step < cfg.training.steps:
                 self.step += 1
-                stats = self.train_step()
-                losses.append(stats["loss"])
-                first_loss = stats["loss"] if first_loss is None else first_loss
-                last_loss = stats["loss"]
-                # log() accumulates tokens and time every step and emits every log_freq steps
-                self.metrics.log(
-                    self.step,
-                    loss=stats["loss"],
-                    grad_norm=stats["grad_norm"],
-                    lr=stats["lr"],
-                    num_tokens=stats["num_tokens"],
-                    expert_load=stats["expert_load"],
-                    extra=stats["extra"],
-                )
+                last = self.step == cfg.training.steps
+                # Stats are read back only where they are used: log steps, checkpoint steps, the last step.
+                due = last or self.metrics.should_log(self.step) or self.checkpointer.should_save(self.step)
+                self._step_mode = (False, due)  # (read_stats, logged) of the train_step() call below
+                try:
+                    pending.append((self.step, self.train_step()))
+                finally:
+                    self._step_mode = (True, True)
+                if due:
+                    flush()
                 if self.step == 1 and self.world_size > 1:
                     set_pg_timeouts(cfg.comm.train_timeout_seconds, self.parallel_dims.world_mesh)
-                last = self.step == cfg.training.steps
                 best = self._validate() if self.validator.due(self.step, last_step=last) else False
                 stopped_early = self.validator.should_stop and not last
                 last = last or stopped_early
                 if self.checkpointer.should_save(self.step, last_step=last) or best:
+                    flush()  # applies the non-finite policy before anything is written
                     assert_finite(self.model_parts)  # never write a poisoned checkpoint
                     self.checkpointer.save(self.step, last_step=last, force=best, best=best)
                 profiler.step()
                 if stopped_early:
+                    flush()
                     self._log(
                         f"early stop at step {self.step}: no better val/loss in {cfg.validation.early_stop_patience} "
                         f"evaluations (best {self.validator.best_loss:.4f} at step {self.validator.best_step})"
@@ -519,19 +559,37 @@ class Trainer(Configurable):
         self.metrics.log_validation(self.step, result.record)
         return result.improved and self.config.checkpoint.keep_best
 
-    def train_step(self) -> dict[str, Any]:
-        """One optimizer step over this rank's micro-batches (dyn_bsz accumulation)."""
+    def train_step(self, *, read_stats: bool | None = None, logged: bool | None = None) -> dict[str, Any]:
+        """One optimizer step over this rank's micro-batches (dyn_bsz accumulation); returns its stats.
+
+        ``read_stats=False`` leaves the stats on the device (tensors) and reads nothing back: ``_read_stats`` reads
+        them later, all pending steps at once (``train``). ``logged``: the step's record is emitted, so it gathers
+        the per-layer expert loads and per-source losses too (else ``expert_load`` is None). Both default to what
+        ``train`` chose for this step (``_step_mode``), else True."""
+        read_stats = self._step_mode[0] if read_stats is None else read_stats
+        logged = (self._step_mode[1] if read_stats is False else True) if logged is None else logged
         cfg = self.config
         mtp = self.mtp_config
-        host_batches = [self._prepare_micro_batch(mb) for mb in self.data.next_step()]
+        data_batches = self.data.next_step()
+        # FLOPs per token of this rank's micro-batches from their real documents (host data: no sync)
+        flops_per_token = sum(self.flops_model.training_flops(mb) for mb in data_batches) / max(
+            sum(mb["input_ids"].numel() for mb in data_batches), 1
+        )
+        host_batches = [self._prepare_micro_batch(mb) for mb in data_batches]
         # Exact global token mean: labelled tokens counted on the host (no device sync), one all-reduce.
         local_tokens = sum(int((mb["labels"] != cfg.loss.ignore_index).sum()) for mb in host_batches)
         local_inputs = sum(mb["input_ids"].numel() for mb in host_batches)
         local_mtp = sum(int((mb["mtp_labels"] != cfg.loss.ignore_index).sum()) for mb in host_batches) if mtp else 0
-        counts = self._sum_over_token_ranks(
-            torch.tensor([local_tokens, local_inputs, local_mtp], dtype=torch.float64, device=self.device)
-        )
-        global_tokens, global_inputs, global_mtp = counts.tolist()
+        # One token rank: the host counts are the step's (no device round trip). Else summed on the device and kept
+        # there: the loss divides by a device scalar, the metrics read the counts with the other stats.
+        on_host = self._loss_group() is None
+        counts = self._sum_over_token_ranks(torch.tensor(
+            [local_tokens, local_inputs, local_mtp], dtype=torch.float64, device="cpu" if on_host else self.device,
+        ))  # fmt: skip
+        if on_host:
+            global_tokens, global_inputs, global_mtp = counts.tolist()
+        else:
+            global_tokens, global_inputs, global_mtp = counts[0], counts[1], counts[2]
         mtp_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         mtp_correct = torch.zeros((), dtype=torch.float64, device=self.device)
         micro_batches = [self._to_device(mb) for mb in host_batches]
@@ -576,51 +634,137 @@ class Trainer(Configurable):
                 with self._loss_parallel():
                     step_loss(self._forward_micro_batch(mb), mb).backward()
         loss_sum, aux_sum, mtp_sum, mtp_correct = acc["loss"], acc["aux"], acc["mtp"], acc["mtp_correct"]
-        global_loss = self._sum_over_loss_ranks(loss_sum).item()
+        # The step's scalars stay on the device (one all-reduce for all of them); the host reads them only when
+        # the stats are read (``read_stats``: log steps), so no scalar read stalls the optimizer step.
+        sums = self._sum_over_loss_ranks(torch.stack([loss_sum.double(), aux_sum.double(), mtp_sum.double(),
+                                                      mtp_correct.double()]))  # fmt: skip
+        global_loss = sums[0]
         pp_mesh = self.parallel_dims.mesh("pp")
         grad_norm = clip_grad_norm_(
             [p for part in self.model_parts for p in part.parameters() if p.requires_grad], cfg.training.max_norm,
             other_parts=pp_mesh.get_group() if pp_mesh is not None else None,
-        ).item()
-        finite = math.isfinite(global_loss) and math.isfinite(grad_norm)
-        if not finite:
-            if cfg.training.on_nonfinite == "error":
-                raise NonFiniteError(
-                    f"step {self.step}: loss={global_loss} grad_norm={grad_norm} is not finite; the step was not "
-                    "applied and no checkpoint was written (set --training.on_nonfinite skip to drop such steps)"
-                )
-            self._log(f"step {self.step}: non-finite loss={global_loss} grad_norm={grad_norm}; update skipped")
-            self.optimizers.zero_grad()
-        else:
+        )
+        nonfinite = ~(torch.isfinite(global_loss) & torch.isfinite(grad_norm))
+        # The same on every rank (the loss and the norm are global), so every rank skips or applies alike.
+        if self._skip_on_device(nonfinite):  # the optimizer drops a non-finite update itself
             self.optimizers.step()
+            self._note_nonfinite(nonfinite, global_loss, grad_norm)
+            finite = None  # known on the device only; read with the stats
+        else:  # the optimizer cannot skip on the device: decide on the host (one read, before the step)
+            finite = not bool(nonfinite)
+            if not finite:
+                self._nonfinite(self.step, float(global_loss), float(grad_norm))
+                self.optimizers.zero_grad()
+            else:
+                self.optimizers.step()
         lr = self.lr_schedulers.get_last_lr()[0]
         self.lr_schedulers.step()
-        if finite:
+        if finite:  # (None: no EMA, see _skip_on_device)
             self.ema.update(self.model_parts)
-        expert_load = self._expert_load_and_balance()
-        extra = {"skipped": float(not finite), **self.data.metrics()}
+        expert_load = self._expert_load_and_balance(read=logged)
+        extra: dict[str, Any] = {"skipped": nonfinite.float() if finite is None else float(not finite),
+                                 **self.data.metrics()}  # fmt: skip
         # share of the step's positions that carry loss (assistant-only chat data trains a fraction)
-        extra["tokens/trained"] = global_tokens / max(global_inputs, 1.0)
-        if per_source is not None:
-            extra.update(per_source.reduce(self._sum_over_loss_ranks))  # loss/<name>
+        extra["tokens/trained"] = global_tokens / max(global_inputs, 1.0) if isinstance(global_inputs, float) else (
+            global_tokens / global_inputs.clamp(min=1.0))
+        if per_source is not None and logged:  # (a collective and a read: log steps only; the meter sums
+            extra.update(per_source.reduce(self._sum_over_loss_ranks))  # the steps since: loss/<name>)
         if mtp is not None:  # loss/mtp is not part of `loss` (the LM loss); the objective adds it weighted
-            mtp_stats = self._sum_over_loss_ranks(torch.stack([mtp_sum.double(), mtp_correct])).tolist()
-            extra["loss/mtp"] = mtp_stats[0]
-            extra["mtp/top1"] = mtp_stats[1] / max(global_mtp, 1.0)
-        if self.model_has_aux_loss is not False:
-            aux = self._sum_over_loss_ranks(aux_sum).item()
-            self.model_has_aux_loss = self.model_has_aux_loss or aux != 0.0
-            if self.model_has_aux_loss:
-                extra["aux_loss"] = aux
-        return {
+            extra["loss/mtp"] = sums[2]
+            extra["mtp/top1"] = sums[3] / (max(global_mtp, 1.0) if isinstance(global_mtp, float) else
+                                           global_mtp.clamp(min=1.0))  # fmt: skip
+        aux = sums[1] if self.model_has_aux_loss is not False else None
+        stats = {
             "loss": global_loss,
             "grad_norm": grad_norm,
             "lr": lr,
             # tokens per device, so tokens/s and MFU compare across layouts (torchtitan's convention)
-            "num_tokens": int(global_inputs) // self.world_size,
+            "num_tokens": global_inputs,
             "expert_load": expert_load,
             "extra": extra,
+            "aux": aux,
+            "flops_per_token": flops_per_token,
         }
+        return self._read_stats([(self.step, stats)])[0] if read_stats else stats
+
+    def _skip_on_device(self, nonfinite: torch.Tensor) -> bool:
+        """Hand ``nonfinite`` to every optimizer that skips a step on the device (torch's fused Adam/AdamW:
+        ``found_inf``, as under a GradScaler); True when all of them do. Otherwise (or with an EMA, whose update
+        must skip the step too) the host decides."""
+        opts = list(self.optimizers)
+        able = bool(opts) and not self.ema.enabled and all(
+            isinstance(o, torch.optim.Adam | torch.optim.AdamW) and all(g.get("fused") for g in o.param_groups)
+            for o in opts
+        )
+        for o in opts:
+            if able:
+                o.found_inf = nonfinite.float()
+            elif hasattr(o, "found_inf"):
+                del o.found_inf
+        return able
+
+    def _note_nonfinite(self, nonfinite: torch.Tensor, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Keep, on the device, the first non-finite step since the stats were last read (step, loss, grad norm)
+        and how many steps were skipped; ``_read_stats`` acts on them (policy ``on_nonfinite``)."""
+        now = torch.stack([torch.full((), float(self.step), dtype=torch.float64, device=self.device),
+                           loss.double(), grad_norm.double(), nonfinite.double()])  # fmt: skip
+        if self._nonfinite_state is None:
+            self._nonfinite_state = torch.zeros(4, dtype=torch.float64, device=self.device)
+        first = self._nonfinite_state
+        take = nonfinite & (first[0] == 0)
+        self._nonfinite_state = torch.cat([torch.where(take, now[:3], first[:3]), first[3:] + now[3:]])
+
+    def _nonfinite(self, step: int, loss: float, grad_norm: float, skipped: int = 1) -> None:
+        """Apply ``training.on_nonfinite`` to step ``step``, whose update was not applied."""
+        if self.config.training.on_nonfinite == "error":
+            raise NonFiniteError(
+                f"step {step}: loss={loss} grad_norm={grad_norm} is not finite; the step was not "
+                "applied and no checkpoint was written (set --training.on_nonfinite skip to drop such steps)"
+            )
+        more = f" ({skipped} such steps since the last log)" if skipped > 1 else ""
+        self._log(f"step {step}: non-finite loss={loss} grad_norm={grad_norm}; update skipped{more}")
+
+    def _read_stats(self, pending: list[tuple[int, dict[str, Any]]]) -> list[dict[str, Any]]:
+        """The host values of the steps' stats (``train_step(read_stats=False)`` leaves them on the device): ONE
+        device->host copy for all of them, plus the device non-finite record, whose policy is applied here."""
+        scalars: list[torch.Tensor] = []
+
+        def slot(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                scalars.append(value.detach().reshape(()).double())
+                return len(scalars) - 1
+            return value
+
+        plans = []
+        for step, st in pending:
+            plan = {k: slot(st[k]) for k in ("loss", "grad_norm", "num_tokens", "aux")}
+            plan["extra"] = {k: slot(v) for k, v in st["extra"].items()}
+            plans.append(plan)
+        state = self._nonfinite_state
+        if state is not None:
+            scalars.extend(state)
+            self._nonfinite_state = None
+        values = torch.stack(scalars).tolist() if scalars else []
+
+        def get(planned: Any, raw: Any) -> Any:
+            return values[planned] if isinstance(raw, torch.Tensor) and raw.numel() == 1 else raw
+
+        if state is not None:
+            step, loss, norm, skipped = values[-4:]
+            if skipped:
+                self._nonfinite(int(step), loss, norm, int(skipped))
+        out = []
+        for (step, st), plan in zip(pending, plans, strict=True):
+            read = {**st, **{k: get(plan[k], st[k]) for k in ("loss", "grad_norm", "num_tokens", "aux")}}
+            read["extra"] = {k: get(plan["extra"][k], v) for k, v in st["extra"].items()}
+            read["num_tokens"] = int(read["num_tokens"]) // self.world_size
+            aux = read.pop("aux")
+            if aux is not None:
+                self.model_has_aux_loss = self.model_has_aux_loss or aux != 0.0
+                if self.model_has_aux_loss:
+                    read["extra"]["aux_loss"] = aux
+            out.append(read)
+        return out
 
     def _prepare_micro_batch(self, mb: dict[str, Any]) -> dict[str, Any]:
         """The host side of one micro-batch (training and validation alike).
@@ -631,8 +775,12 @@ class Trainer(Configurable):
         the host so only the pieces are copied to the device.
         """
         pd = self.parallel_dims
+        if mb.get("cu_seqlens") is not None and mb.get("cu_seqlens_host") is None:
+            # the layers read document bounds from the host copy: made here from the host batch, never read back
+            mb = {**mb, "cu_seqlens_host": mb["cu_seqlens"].tolist()}
         if self.mtp_config is not None:
             mb = add_mtp_targets(mb, ignore_index=self.config.loss.ignore_index)
+        mb = {**mb, **self.model.host_inputs(mb)}  # the model's host facts (e.g. VL image geometry), before the split
         shard = getattr(self.model, "cp_shard", None)  # the batch order context parallel chose
         return split_batch_for_cp(
             mb, pd.mesh_coordinate("cp") if pd.cp > 1 else 0, pd.cp, split_inputs=self.model_cls.split_inputs_for_cp,
@@ -683,7 +831,8 @@ class Trainer(Configurable):
         return 1 if group is None else dist.get_world_size(group)
 
     def _to_device(self, mb: dict[str, Any]) -> dict[str, Any]:
-        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in mb.items()}
+        # pinned host copies on CUDA (the non_blocking copies then overlap compute); a CPU run copies nothing
+        return batch_to_device(mb, self.device, non_blocking=True)
 
     def _loss_group(self) -> dist.ProcessGroup | None:
         """Ranks whose tokens differ: data-parallel x context-parallel (None on a single such rank).
@@ -722,27 +871,33 @@ class Trainer(Configurable):
         return nullcontext()
 
     @torch.no_grad()
-    def _expert_load_and_balance(self) -> dict[str, torch.Tensor]:
-        """Per-MoE-layer routed counts (summed over data ranks); optional aux-loss-free bias update."""
+    def _expert_load_and_balance(self, *, read: bool = True) -> dict[str, torch.Tensor] | None:
+        """Per-MoE-layer routed counts (summed over data ranks; ONE all-reduce for every layer); optional
+        aux-loss-free bias update. ``read=False`` (a step that does not log): the counts are only needed for the bias
+        update, so without one nothing is reduced and None is returned."""
         rate = self.config.training.moe_bias_update_rate
-        load: dict[str, torch.Tensor] = {}
+        moes = [(name, module) for part in self.model_parts for name, module in part.named_modules()
+                if callable(getattr(module, "pop_tokens_per_expert", None))]  # fmt: skip
+        popped = [module.pop_tokens_per_expert().float() for _, module in moes]  # every step: resets the counts
+        if not read and rate <= 0:
+            return None
         # Every rank must apply the same bias update: sum the counts over all ranks whose routers saw
         # different tokens (sequence parallel splits tokens over TP ranks as well).
         pd = self.parallel_dims
         mesh = pd.mesh("dp_cp", "tp") if pd.sp_enabled else pd.mesh("dp_cp")
         moe_group = None if mesh is None else (mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group())
-        for name, module in (nm for part in self.model_parts for nm in part.named_modules()):
-            pop = getattr(module, "pop_tokens_per_expert", None)
-            if not callable(pop):
-                continue
-            counts = pop().float()
-            if moe_group is not None:
-                dist.all_reduce(counts, group=moe_group)
+        flat = torch.cat(popped) if popped else torch.zeros(0, device=self.device)
+        if moe_group is not None and popped:
+            dist.all_reduce(flat, group=moe_group)
+        load: dict[str, torch.Tensor] = {}
+        for (name, module), counts in zip(moes, flat.split([c.numel() for c in popped]) if popped else (), strict=True):
             load[unwrapped_name(name)] = counts
             if rate > 0:
                 module.update_bias_correction(counts, rate)
         pp = pd.mesh("pp")
-        if pp is not None:  # every stage's layers in the metrics (rank 0 logs them)
+        if not read:
+            return None
+        if pp is not None:  # every stage's layers in the metrics (rank 0 logs them): log steps only
             gathered: list[Any] = [None] * pd.pp
             dist.all_gather_object(gathered, {k: v.cpu() for k, v in load.items()}, group=pp.get_group())
             load = {k: v.to(self.device) for part in gathered for k, v in part.items()}

@@ -4,7 +4,7 @@ from hyper_parallel.components.checkpoint import CheckpointManager, ModelWrapper
 from hyper_parallel.components.ema import EMA
 from hyper_parallel.components.loss import BaseLoss, CrossEntropyLoss
 from hyper_parallel.components.lr_scheduler import LRSchedulersContainer, lr_factor
-from hyper_parallel.components.metrics import MetricsProcessor, measure_peak_flops
+from hyper_parallel.components.metrics import MetricsProcessor, known_peak_flops, measure_peak_flops
 from hyper_parallel.components.muon import MuonWithAuxAdamW, zeropower_via_newtonschulz5
 from hyper_parallel.components.optimizer import OptimizersContainer, get_hyper_optimizer, split_muon_params
 from hyper_parallel.components.profiler import Profiler, ProfilingConfig
@@ -26,6 +26,7 @@ __all__ = [
     "Validator",
     "assert_finite",
     "get_hyper_optimizer",
+    "known_peak_flops",
     "lr_factor",
     "measure_peak_flops",
     "split_muon_params",

@@ -58,7 +58,16 @@ from hyper_parallel.config.configurable import Configurable, config_to_dict
 from hyper_parallel.distributed.teardown import destroy_group
 from hyper_parallel.rank_log import warn_on_rank0
 
-__all__ = ["CheckpointManager", "ModelWrapper", "assert_finite", "get_rng_state", "set_rng_state"]
+__all__ = [
+    "CheckpointManager",
+    "ModelWrapper",
+    "UnsafeCheckpointError",
+    "assert_finite",
+    "get_rng_state",
+    "load_side_file",
+    "save_side_file",
+    "set_rng_state",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +147,62 @@ def get_rng_state() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint side file (``global.pt``, ``rank<N>.pt``) holds a pickled object of a type checkpoints never
+    hold: it is refused unread (unpickling it could run code)."""
+
+
+_NDARRAY = "__ndarray__"
+"""Marker key of a NumPy array stored as a tensor in a side file (``_to_safe``)."""
+
+
+def _to_safe(obj: Any) -> Any:
+    """``obj`` in the types ``torch.load(weights_only=True)`` reads: NumPy arrays become ``{_NDARRAY: tensor,
+    "dtype": str}``, NumPy scalars Python numbers; containers are walked (tuples stay tuples)."""
+    if isinstance(obj, np.ndarray):
+        return {_NDARRAY: torch.from_numpy(np.ascontiguousarray(obj).copy()), "dtype": obj.dtype.str}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {k: _to_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_safe(v) for v in obj)
+    return obj
+
+
+def _from_safe(obj: Any) -> Any:
+    """The inverse of :func:`_to_safe`."""
+    if isinstance(obj, dict):
+        if _NDARRAY in obj:
+            return obj[_NDARRAY].numpy().astype(np.dtype(obj["dtype"]), copy=True)
+        return {k: _from_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_from_safe(v) for v in obj)
+    return obj
+
+
+def save_side_file(obj: Any, path: Path) -> None:
+    """Write a checkpoint side file in the weights-only form (:func:`load_side_file` reads it)."""
+    torch.save(_to_safe(obj), path)
+
+
+def load_side_file(path: Path) -> Any:
+    """Read a checkpoint side file with ``weights_only=True`` (tensors, numbers, strings, plain containers): a
+    file holding any other pickled type is refused by name (:class:`UnsafeCheckpointError`), never unpickled."""
+    import pickle
+
+    try:
+        return _from_safe(torch.load(path, map_location="cpu", weights_only=True))
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e)) or re.search(r"global '?([\w.]+)", str(e))
+        what = f"a pickled object of type {found.group(1)}" if found else f"something else ({str(e).splitlines()[-1]})"
+        raise UnsafeCheckpointError(
+            f"{path} holds {what}, which a checkpoint never holds (only tensors, numbers, strings and plain "
+            "containers): refusing to unpickle it, since that could run code. Use a checkpoint folder you made or "
+            "trust, or delete this step folder to resume from an older one"
+        ) from None
 
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
@@ -311,9 +376,9 @@ class CheckpointManager(Configurable):
         _barrier()
         tmp.mkdir(parents=True, exist_ok=True)
         rank_state = {"rng": get_rng_state(), **{k: v.state_dict() for k, v in self.rank_states.items()}}
-        torch.save(rank_state, tmp / f"rank{_rank()}.pt")
+        save_side_file(rank_state, tmp / f"rank{_rank()}.pt")
         if _rank() == 0 and self.global_states:
-            torch.save({k: v.state_dict() for k, v in self.global_states.items()}, tmp / "global.pt")
+            save_side_file({k: v.state_dict() for k, v in self.global_states.items()}, tmp / "global.pt")
         if _rank() == 0 and self.run_config is not None:
             (tmp / "run_config.json").write_text(json.dumps(_config_json(self.run_config), indent=2, default=str))
         state = self._dcp_state(step)
@@ -432,7 +497,7 @@ class CheckpointManager(Configurable):
                     f"{glob} is missing: the checkpoint holds no data stream position; resume with "
                     "--checkpoint.restart_data_stream to start the data from its beginning"
                 )
-            saved = torch.load(glob, map_location="cpu", weights_only=False)
+            saved = load_side_file(glob)
             for key, obj in self.global_states.items():
                 if key not in saved:
                     if getattr(obj, "optional_state", False):  # e.g. validation turned on for a resumed run
@@ -442,8 +507,8 @@ class CheckpointManager(Configurable):
                 obj.load_state_dict(saved[key])
         side = path / f"rank{_rank()}.pt"
         if side.is_file():
-            # Our own file, holding Python/NumPy RNG tuples: a full (non-weights-only) unpickle.
-            rank_state = torch.load(side, map_location="cpu", weights_only=False)
+            # RNG states as tuples of ints and tensors: a weights-only load (another type is refused by name)
+            rank_state = load_side_file(side)
             set_rng_state(rank_state["rng"])
             for key, obj in self.rank_states.items():
                 if key not in rank_state:

@@ -5,8 +5,13 @@ processor records the loss of every step (for the curve) and, every ``log_freq``
 1 and the last step), emits one record with window averages:
 
 - ``tps``: tokens per second per rank over the window (``num_tokens`` is this rank's tokens);
-- ``mfu``: ``tps * flops_per_token / peak_flops`` in percent (``flops_per_token`` from
-  ``BaseModel.get_nparams_and_flops``; the peak from a table of known GPUs or a measured matmul);
+- ``flops_per_token``: training FLOPs per token of the window's steps, from their real documents
+  (``BaseModel.training_flops`` of each micro-batch: attention causal within each packed document, routed
+  experts at top-k, the vision tower / image path; convention in ``models/common/flops.py``);
+- ``tflops``: achieved TFLOP/s per rank (``tps * flops_per_token / 1e12``);
+- ``mfu``: ``tflops`` over the device's peak in percent, only when the peak is known: ``--metrics.peak_tflops``,
+  else the bf16/fp16 table of known CUDA devices (``PEAK_FLOPS_TABLE``). A CPU, an unknown GPU or fp32 compute
+  has no known peak: no MFU is printed (never a guessed one);
 - ``memory_gib``: peak CUDA memory allocated, or peak process RSS on CPU, the most of any rank (pipeline stages
   and expert shards differ; the fullest rank is the one that runs out);
 - ``expert_load/<layer>``: max/mean tokens per expert of each MoE layer (1.0 is perfect balance);
@@ -45,7 +50,7 @@ import torch.distributed as dist
 
 from hyper_parallel.config.configurable import Configurable
 
-__all__ = ["MetricsProcessor", "PEAK_FLOPS_TABLE", "measure_peak_flops", "peak_memory_gib"]
+__all__ = ["MetricsProcessor", "PEAK_FLOPS_TABLE", "known_peak_flops", "measure_peak_flops", "peak_memory_gib"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,15 +73,26 @@ PEAK_FLOPS_TABLE: dict[str, float] = {
 }
 
 
-def measure_peak_flops(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> float:
-    """Peak matmul FLOP/s of ``device`` for ``dtype``: the table for known GPUs in bf16/fp16,
-    else a short measured square-matmul loop (about 0.1 s on CPU)."""
+def known_peak_flops(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> float | None:
+    """The data-sheet peak FLOP/s of a known CUDA device (``PEAK_FLOPS_TABLE``) for bf16/fp16 compute; None for
+    anything else (a CPU, an unknown GPU, fp32): MFU against a guess would mislead."""
     device = torch.device(device)
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
         name = torch.cuda.get_device_name(device)
         for key, flops in PEAK_FLOPS_TABLE.items():
             if key in name:
                 return flops
+    return None
+
+
+def measure_peak_flops(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Peak matmul FLOP/s of ``device`` for ``dtype``: the table for known GPUs in bf16/fp16,
+    else a short measured square-matmul loop (about 0.1 s on CPU). For benchmarks; the metrics never use a
+    measured peak."""
+    device = torch.device(device)
+    known = known_peak_flops(device, dtype)
+    if known is not None:
+        return known
     n, reps = (4096, 20) if device.type == "cuda" else (512, 8)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -202,6 +218,9 @@ class MetricsProcessor(Configurable):
         """W&B run name; empty = the dump folder's name."""
         wandb_entity: str = ""
         """W&B entity (user or team); empty = the account's default."""
+        peak_tflops: float = 0.0
+        """Peak dense TFLOP/s of one device in the run's compute dtype, for MFU (e.g. 989 for an H100/H200 in bf16).
+        0 = the table of known CUDA devices (bf16/fp16), else no MFU (CPUs, unknown GPUs, fp32)."""
 
     def __init__(
         self,
@@ -224,9 +243,14 @@ class MetricsProcessor(Configurable):
         self.total_steps = total_steps
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.flops_per_token = flops_per_token
-        if flops_per_token is not None and peak_flops is None:
-            peak_flops = measure_peak_flops(self.device, compute_dtype)
+        """FLOPs per token of a step that ``log`` is not given its own for (None: none)."""
+        if config.peak_tflops < 0:
+            raise ValueError(f"metrics.peak_tflops={config.peak_tflops} must be >= 0 (0 = the known-device table)")
+        if peak_flops is None:
+            known = known_peak_flops(self.device, compute_dtype)
+            peak_flops = config.peak_tflops * 1e12 if config.peak_tflops > 0 else known
         self.peak_flops = peak_flops
+        """Peak FLOP/s per device for MFU; None = unknown (no MFU)."""
         self.is_writer = _rank() == 0
         self.loss_history: list[tuple[int, float]] = []
         self.val_history: list[tuple[int, float]] = []
@@ -251,6 +275,7 @@ class MetricsProcessor(Configurable):
         """Start the time window now (call right before the first step to exclude set-up time)."""
         self._t_start = self._t_window = time.perf_counter()
         self._tokens_window = 0
+        self._flops_window: float | None = 0.0
         self._steps_window = 0
 
     def should_log(self, step: int) -> bool:
@@ -266,11 +291,18 @@ class MetricsProcessor(Configurable):
         num_tokens: int = 0,
         expert_load: Mapping[str, torch.Tensor] | None = None,
         extra: Mapping[str, float] | None = None,
+        flops_per_token: float | None = None,
     ) -> dict[str, Any] | None:
-        """Record one optimizer step; returns the emitted record on log steps, else None."""
+        """Record one optimizer step; returns the emitted record on log steps, else None. ``flops_per_token``: the
+        step's training FLOPs per token from its documents (default: the one given at build)."""
         loss_value = float(loss)
         self.loss_history.append((step, loss_value))
         self._tokens_window += int(num_tokens)
+        fpt = self.flops_per_token if flops_per_token is None else flops_per_token
+        if fpt is not None and self._flops_window is not None:
+            self._flops_window += float(fpt) * int(num_tokens)
+        else:  # a step without a count: the window has no FLOPs figure
+            self._flops_window = None
         self._steps_window += 1
         if not self.should_log(step):
             return None
@@ -282,8 +314,11 @@ class MetricsProcessor(Configurable):
         if lr is not None:
             record["lr"] = float(lr)
         record["tps"] = self._tokens_window / window
-        if self.flops_per_token and self.peak_flops:
-            record["mfu"] = 100.0 * record["tps"] * self.flops_per_token / self.peak_flops
+        if self._flops_window and self._tokens_window:
+            record["flops_per_token"] = self._flops_window / self._tokens_window
+            record["tflops"] = self._flops_window / window / 1e12
+            if self.peak_flops and self.peak_flops > 0:
+                record["mfu"] = 100.0 * record["tflops"] * 1e12 / self.peak_flops
         record["memory_gib"] = _most_of_any_rank(peak_memory_gib(self.device), self.device)
         record["step_time_s"] = window / self._steps_window
         record["elapsed_s"] = now - self._t_start
@@ -293,7 +328,7 @@ class MetricsProcessor(Configurable):
                 record[f"expert_load/{name}"] = float(load.max() / load.mean().clamp(min=1e-9))
         for key, value in (extra or {}).items():
             record[key] = float(value)
-        self._t_window, self._tokens_window, self._steps_window = now, 0, 0
+        self._t_window, self._tokens_window, self._flops_window, self._steps_window = now, 0, 0.0, 0
         if self.is_writer:
             self._emit(record)
         return record
@@ -351,6 +386,8 @@ class MetricsProcessor(Configurable):
         if "lr" in record:
             parts.append(f"lr {record['lr']:.2e}")
         parts.append(f"tps {record['tps']:,.0f}")
+        if "tflops" in record:
+            parts.append(f"tflops {record['tflops']:.3g}")
         if "mfu" in record:
             parts.append(f"mfu {record['mfu']:.2f}%")
         parts.append(f"mem {record['memory_gib']:.2f}GiB")
@@ -376,10 +413,11 @@ class MetricsProcessor(Configurable):
         fig = Figure(figsize=(7, 4), dpi=100)
         FigureCanvasAgg(fig)  # Agg canvas without pyplot: no global backend state, no display needed
         ax = fig.add_subplot()
-        steps, losses = zip(*self.loss_history)
+        earlier, earlier_val = self._earlier_records(self.loss_history[0][0])
+        steps, losses = zip(*(earlier + self.loss_history))
         ax.plot(steps, losses, linewidth=1.0, label="train")
-        if self.val_history:
-            val_steps, val_losses = zip(*self.val_history)
+        if self.val_history or earlier_val:
+            val_steps, val_losses = zip(*(earlier_val + self.val_history))
             ax.plot(val_steps, val_losses, marker="o", markersize=3, linewidth=1.2, label="validation")
             ax.legend()
         ax.set_xlabel("step")
@@ -388,6 +426,29 @@ class MetricsProcessor(Configurable):
         fig.tight_layout()
         fig.savefig(out)
         return out
+
+    def _earlier_records(self, first_step: int) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+        """``(train, validation)`` losses of the steps before ``first_step`` from metrics.jsonl: a resumed run's
+        curve starts where the run started (the last record of a step wins: a step logged again by a rerun)."""
+        path = self.dump_folder / self.config.jsonl_name
+        train: dict[int, float] = {}
+        val: dict[int, float] = {}
+        if not path.is_file():
+            return [], []
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                    step = int(record["step"])
+                except (ValueError, KeyError, TypeError):
+                    continue  # a torn last line of a killed run, or a record without a step
+                if step >= first_step:
+                    continue
+                if isinstance(record.get("loss"), (int, float)):
+                    train[step] = float(record["loss"])
+                if isinstance(record.get("val/loss"), (int, float)):
+                    val[step] = float(record["val/loss"])
+        return sorted(train.items()), sorted(val.items())
 
     def close(self) -> None:
         """Write the loss curve (if configured) and close the files."""

@@ -77,14 +77,15 @@ def bool_values_to_flags(argv: list[str], config: Any) -> list[str]:
         else:
             path, width = arg[2:], 2
             value = argv[i + 1].lower() if i + 1 < len(argv) else None
+        if arg.startswith("--") and value in _BOOL_WORDS and _is_optional_bool(config, path):
+            # `bool | None` (e.g. --model.use_mtp) is a choice of True / False / None: accept true/false/1/0 too.
+            # Checked first: a recipe may hold a bool there (--model.image_path), which is no plain flag
+            out += [arg.split("=", 1)[0], str(_BOOL_WORDS[value])]
+            i += width
+            continue
         if arg.startswith("--") and value in _BOOL_WORDS and isinstance(_field_value(config, path), bool):
             *parents, leaf = path.split(".")
             out.append("--" + ".".join([*parents, leaf if _BOOL_WORDS[value] else f"no_{leaf}"]))
-            i += width
-            continue
-        if arg.startswith("--") and value in _BOOL_WORDS and _is_optional_bool(config, path):
-            # `bool | None` (e.g. --model.use_mtp) is a choice of True / False / None: accept true/false/1/0 too
-            out += [arg.split("=", 1)[0], str(_BOOL_WORDS[value])]
             i += width
             continue
         out.append(arg)
@@ -327,6 +328,13 @@ def _module_from_folder(folder: str | None, recipe: str) -> str | None:
     return spec_for_hf(read_hf_config(folder), where=str(folder), has_recipe=lambda name: _has_recipe(name, recipe))
 
 
+def _module_of_recipe(recipe: str) -> str | None:
+    """The one model package with a recipe named ``recipe`` (None when no package or several have one)."""
+    names = [m for m in available_modules() if not m.endswith("_v2")]
+    found = [m for m in names if _has_recipe(m, recipe)]
+    return found[0] if len(found) == 1 else None
+
+
 def _check_folder_family(config: Any) -> None:
     """A run whose ``checkpoint.initial_load_path`` is an HF folder of another family than its model: an error."""
     from hyper_parallel.protocols.hf_io import read_hf_config
@@ -380,12 +388,18 @@ class ConfigManager:
         recipe = _pop_option(argv, "--config")
         run_file = _pop_option(argv, "--config-file")
         data = load_run_file(run_file) if run_file is not None else None
+        folder = _initial_load_path(argv, data)
+        if folder and not Path(folder).expanduser().exists():
+            raise ConfigError(
+                f"--checkpoint.initial_load_path {folder}: the folder {str(Path(folder).expanduser())!r} does not "
+                "exist; give the HF folder that holds the model's config.json and safetensors"
+            )
         if module is None and recipe is not None:
-            module = _module_from_folder(_initial_load_path(argv, data), recipe)
+            module = _module_from_folder(folder, recipe) or _module_of_recipe(recipe)
         if module is None or recipe is None:
             raise ConfigError(
                 "both --module and --config are required (--module may be left out when "
-                "--checkpoint.initial_load_path is an HF folder), e.g. "
+                "--checkpoint.initial_load_path is an HF folder or one model package has the recipe), e.g. "
                 "--module glm_image_moe --config glm_image_moe_debug; "
                 f"available modules: {', '.join(available_modules())}"
             )
@@ -407,7 +421,10 @@ class ConfigManager:
                 args=argv,
                 prog=f"--module {module} --config {recipe}",
                 description=(
-                    f"Run config of recipe {module}.{recipe}; every field listed can be overridden. The model's "
+                    f"Run config of recipe {module}.{recipe}; every field listed can be overridden. With "
+                    "--checkpoint.initial_load_path DIR (an HF folder) the model is DIR's config.json: the model "
+                    "values listed are the recipe's, which the folder replaces (only the training-only options "
+                    "--model.use_mtp / mtp_loss_weight / router_aux_loss_coef / freeze apply on top). The model's "
                     "per-layer tree (model.layers, model.mtp, ...) is not on the command line: the model-level "
                     "options set every layer (--model.rms_norm_eps ...); one layer's field is set from a run "
                     "file (--config-file run.toml with [model.layers.3.mlp] num_experts = 8)."
@@ -441,12 +458,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(json.dumps(data, indent=2, default=str))
 
 
-def run_cli(entry: Callable[[], Any]) -> None:
-    """Run a command-line entry point; a ConfigError becomes one ``error:`` line and exit code 2."""
+TRACEBACK_ENV = "HYPER_PARALLEL_TRACEBACK"
+"""Set (``=1``) to get the Python traceback of a user error instead of its one line."""
+
+
+def run_cli(entry: Callable[[], Any], *, user_errors: tuple[type[BaseException], ...] = ()) -> None:
+    """Run a command-line entry point; a ConfigError (or one of ``user_errors``: a problem of the user's input,
+    whose message says what to change) becomes one ``error:`` line and exit code 2, no traceback
+    (``HYPER_PARALLEL_TRACEBACK=1`` shows it)."""
+    import os
+
     try:
         entry()
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ConfigError, *user_errors) as e:
+        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            raise
+        message = e.args[0] if isinstance(e, KeyError) and len(e.args) == 1 else e  # KeyError repr()s its message
+        print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

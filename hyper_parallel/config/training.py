@@ -18,7 +18,8 @@ class TrainingConfig:
     """Dtype FSDP casts parameters to for forward/backward compute. (float16 is not offered: its narrow
     range needs loss scaling, which this trainer does not do; bfloat16 has fp32's range.)"""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
-    """Dtype FSDP reduce-scatters gradients in."""
+    """Dtype FSDP reduce-scatters (and all-reduces, HSDP) gradients in: float32 by default, also when parameters
+    compute in bfloat16 (bf16 sums over many ranks lose low bits); bfloat16 halves the reduce bytes and buffers."""
     defer_grad_reduce: bool = False
     """Reduce FSDP gradients once per step, after the last micro-batch, instead of after every one: fewer
     collectives, but every rank holds full unsharded fp32 gradients between micro-batches (small models)."""

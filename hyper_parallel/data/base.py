@@ -89,6 +89,8 @@ class BaseDataLoader(Configurable):
         """A malformed sample or unreadable shard: `error` stops naming shard and key; `skip` drops it, counts and logs it."""
         tokenizer: str = ""
         """text: the tokenizer (a tokenizer.json file or an HF folder) that tokenises raw .jsonl/.parquet/.arrow files; empty = the toy tokenizer (toy corpus only)."""
+        allow_foreign_tokenizer: bool = False
+        """Train with a tokenizer that is not the one the model folder (--checkpoint.initial_load_path) ships: data.tokenizer, a source's tokenizer or the one vision-language shards were written with. Off: such a tokenizer (other vocabulary, special tokens or chat template) is an error naming both."""
         text_column: str = "text"
         """text: the column (field) of raw records that holds the document text."""
         split_long_documents: bool = False

@@ -42,6 +42,7 @@ __all__ = [
     "add_mtp_targets",
     "batch_to_device",
     "collate_packed",
+    "pins_host_memory",
     "shift_labels",
 ]
 
@@ -193,6 +194,31 @@ def add_mtp_targets(batch: dict[str, Any], *, ignore_index: int = IGNORE_INDEX) 
     return out
 
 
-def batch_to_device(batch: dict[str, Any], device: torch.device | str, non_blocking: bool = True) -> dict[str, Any]:
-    """Move a micro-batch's tensors to ``device`` (ints such as ``max_seqlen`` stay Python ints)."""
-    return {k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+def pins_host_memory(device: torch.device | str) -> bool:
+    """Whether host batches bound for ``device`` go through pinned (page-locked) memory: on CUDA only.
+
+    A ``non_blocking`` copy from pageable memory is staged synchronously by the driver; from pinned memory it
+    is a real asynchronous DMA that overlaps the previous micro-batch's compute. A CPU run copies nothing.
+    """
+    return torch.device(device).type == "cuda"
+
+
+def batch_to_device(
+    batch: dict[str, Any], device: torch.device | str, non_blocking: bool = True, *, pin: bool | None = None
+) -> dict[str, Any]:
+    """Move a micro-batch's tensors to ``device`` (ints such as ``max_seqlen`` stay Python ints).
+
+    ``pin`` (default ``pins_host_memory(device)``): host tensors are pinned first, so the ``non_blocking`` copy
+    is asynchronous. The pinned buffer comes from torch's caching host allocator, which keeps it until the copy
+    has finished, so the host batch may be dropped right away.
+    """
+    if pin is None:
+        pin = pins_host_memory(device)
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor):
+            if pin and v.device.type == "cpu":
+                v = v.pin_memory()
+            v = v.to(device, non_blocking=non_blocking)
+        out[k] = v
+    return out

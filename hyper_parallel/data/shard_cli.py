@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterator, Mapping, Sequence
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["add_shard_commands", "iter_jsonl", "print_check_report"]
+__all__ = ["add_shard_commands", "iter_jsonl", "iter_jsonl_lines", "print_check_report", "write_records"]
 
 
 def add_shard_commands(
@@ -36,15 +37,38 @@ def add_shard_commands(
 
 
 def iter_jsonl(path: str) -> Iterator[dict[str, Any]]:
-    """The records of a ``.jsonl`` file (blank lines skipped); a broken line exits naming ``path:line``."""
+    """The records of a ``.jsonl`` file (blank lines skipped); a broken line exits naming ``path`` and its line."""
+    for _, record in iter_jsonl_lines(path):
+        yield record
+
+
+def iter_jsonl_lines(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line, record)`` of a ``.jsonl`` file, lines numbered from 1 as an editor numbers them (blank lines
+    skipped); a broken line exits naming ``path`` and its line."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: --input {path!r} does not exist")
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                yield json.loads(line)
+                yield line_no, json.loads(line)
             except json.JSONDecodeError as e:
-                raise SystemExit(f"error: {path}:{line_no} is not valid JSON: {e}") from None
+                raise SystemExit(f"error: {path} line {line_no} is not valid JSON: {e}") from None
+
+
+def write_records(write: Callable[[Any], Any], records: Iterable[tuple[str, Any]]) -> None:
+    """``write(record)`` for every ``(where, record)``; an error of one record (a missing image, a record the
+    writer refuses) is raised again as a ValueError that starts with ``where`` (``file line N``). Use inside the
+    writer's ``with`` block: the error then also drops the partial shards."""
+    for where, record in records:
+        try:
+            write(record)
+        except (ValueError, KeyError, OSError) as e:
+            detail = e.args[0] if isinstance(e, KeyError) and e.args else e
+            if isinstance(e, FileNotFoundError) and e.filename:
+                detail = f"file {e.filename!r} does not exist"
+            raise ValueError(f"{where}: {detail}") from None
 
 
 def print_check_report(report: Mapping[str, Any], keys: Sequence[str]) -> int:

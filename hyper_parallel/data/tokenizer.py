@@ -49,7 +49,16 @@ from tokenizers import AddedToken, Tokenizer
 
 from hyper_parallel.config.configurable import Configurable
 
-__all__ = ["BaseTokenizer", "HuggingFaceTokenizer", "compile_chat_template", "render_template", "tokenizer_fingerprint"]
+__all__ = [
+    "BaseTokenizer",
+    "HuggingFaceTokenizer",
+    "compile_chat_template",
+    "has_tokenizer",
+    "render_template",
+    "tokenizer_differences",
+    "tokenizer_fingerprint",
+    "tokenizer_identity",
+]
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 """Named special tokens; their strings are variables of the chat template (as in transformers)."""
@@ -417,3 +426,40 @@ class HuggingFaceTokenizer(BaseTokenizer):
     @property
     def special_ids(self) -> frozenset[int]:
         return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
+
+# -- which tokenizer: the one the model folder ships, or another ------------------------------------------------
+
+
+def has_tokenizer(folder: str | os.PathLike | None) -> bool:
+    """Whether ``folder`` holds a tokenizer this package reads (``tokenizer.json``)."""
+    return bool(folder) and (Path(os.path.expanduser(folder)) / "tokenizer.json").is_file()
+
+
+def tokenizer_identity(folder: str | os.PathLike) -> dict[str, str]:
+    """What decides how a tokenizer folder trains a model, in three parts compared one by one:
+    ``vocabulary`` (tokenizer.json's model and its added tokens), ``special tokens`` (bos/eos/pad and every
+    special added token, by string and id) and ``chat template`` (the template text, or ``none``)."""
+    tok = HuggingFaceTokenizer.from_folder(folder)
+
+    def digest(value: Any) -> str:
+        return hashlib.sha256(json.dumps(value, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:12]
+
+    pipeline = _read_json(Path(tok.folder) / "tokenizer.json")
+    vocab = tok._tok.get_vocab(with_added_tokens=True)
+    specials = {name: f"{s}={tok._tok.token_to_id(s)}" for name, s in sorted(tok.special_token_strings().items())}
+    decoder = tok._tok.get_added_tokens_decoder()
+    special_ids = {str(i): decoder[i].content for i in sorted(tok.special_ids)}
+    ids = {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}
+    template = tok.chat_template
+    return {
+        "vocabulary": f"{len(vocab)} tokens #{digest([pipeline.get('model'), sorted(vocab.items())])}",
+        "special tokens": f"{len(special_ids)} special #{digest([specials, special_ids, ids])}",
+        "chat template": "none" if template is None else f"{len(template)} chars #{digest(template)}",
+    }
+
+
+def tokenizer_differences(model_folder: str | os.PathLike, other: str | os.PathLike) -> list[str]:
+    """The parts (:func:`tokenizer_identity`) in which tokenizer ``other`` differs from ``model_folder``'s."""
+    a, b = tokenizer_identity(model_folder), tokenizer_identity(other)
+    return [f"{k} ({b[k]} vs the model's {a[k]})" for k in a if a[k] != b[k]]

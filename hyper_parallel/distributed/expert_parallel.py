@@ -13,11 +13,17 @@ Rows are variable-sized per rank, so the split sizes are host ints: ONE device->
 (the sent and received counts together; the regroup index is then built on the device from host
 sizes, without a sync of its own). The row all-to-alls are differentiable
 (``all_to_all_single_autograd``, supported by gloo and NCCL); the count exchange carries no gradient.
+
+Under activation checkpointing the recompute routes the same tokens again: it reuses the forward's counts and
+split sizes (kept on torch's checkpoint frame of that forward, freed with it) instead of exchanging and
+reading them back a second time, so a checkpointed MoE layer syncs once per forward, not twice.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,14 +65,7 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, ExpertParallelState]:
         x_SD, counts_E, local_state = super().dispatch(x_TD, topk_idx_TK, topk_w_TK)
-        P, L = self.ep, self.num_local_experts
-        # counts_recv_PL[p, l]: rows source rank p sends to my local expert l.
-        counts_recv_PL = torch.empty_like(counts_E)
-        dist.all_to_all_single(counts_recv_PL, counts_E, group=self.group)
-        counts_recv_PL = counts_recv_PL.view(P, L)
-        # The one device->host copy: rows sent to and received from each rank.
-        splits = torch.cat([counts_E.view(P, L).sum(dim=1), counts_recv_PL.sum(dim=1)]).tolist()
-        send_splits, recv_splits = splits[:P], splits[P:]
+        counts_recv_PL, send_splits, recv_splits = self._exchange_counts(counts_E, x_SD.shape[0])
         x_RD = wait_tensor(all_to_all_single_autograd(x_SD, recv_splits, send_splits, self.group))
         # Received rows are [source p][local expert l][rows]; the experts want [l][p][rows].
         regroup_idx_R = _regroup_index(counts_recv_PL, sum(recv_splits))
@@ -76,6 +75,26 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
             local_state, send_splits, recv_splits, regroup_idx_R
         )
 
+    def _exchange_counts(self, counts_E: torch.Tensor, rows: int) -> tuple[torch.Tensor, list[int], list[int]]:
+        """(counts_recv_PL, send_splits, recv_splits): ``counts_recv_PL[p, l]`` = rows source rank p sends to my local
+        expert l. An activation-checkpoint recompute takes the ones its forward recorded (same tokens, same
+        routing: no exchange, no sync); any other call exchanges and reads them back once."""
+        phase, frame = _checkpoint_phase()
+        if phase == "recompute":
+            recorded = _RECORDED.get(frame, {}).get(id(self))
+            if recorded and recorded[0][0] == rows:
+                return recorded.pop(0)[1]
+        P, L = self.ep, self.num_local_experts
+        counts_recv_PL = torch.empty_like(counts_E)
+        dist.all_to_all_single(counts_recv_PL, counts_E, group=self.group)
+        counts_recv_PL = counts_recv_PL.view(P, L)
+        # The one device->host copy: rows sent to and received from each rank.
+        splits = torch.cat([counts_E.view(P, L).sum(dim=1), counts_recv_PL.sum(dim=1)]).tolist()
+        out = (counts_recv_PL, splits[:P], splits[P:])
+        if phase == "forward" and torch.is_grad_enabled():
+            _RECORDED.setdefault(frame, {}).setdefault(id(self), []).append((rows, out))
+        return out
+
     def combine(self, y_RD: torch.Tensor, state: ExpertParallelState) -> torch.Tensor:
         y_back_RD = y_RD.new_empty(y_RD.shape).index_copy(0, state.regroup_idx_R, y_RD)
         y_SD = wait_tensor(all_to_all_single_autograd(y_back_RD, state.send_splits, state.recv_splits, self.group))
@@ -83,6 +102,40 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_experts={self.num_experts}, ep={self.ep})"
+
+
+_RECORDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""torch checkpoint frame -> {id(dispatcher): [(rows, (counts_recv_PL, send_splits, recv_splits)), ...]}: what a
+checkpointed forward exchanged, for its recompute. Keyed weakly by the frame: an entry lives as long as the
+forward's autograd graph, so a forward whose backward never runs leaves nothing behind."""
+
+
+def _checkpoint_phase() -> tuple[str | None, Any]:
+    """("forward" | "recompute", torch's checkpoint frame) inside a non-reentrant ``torch.utils.checkpoint``
+    region (its saved-tensor hooks are on top), else (None, None). Reads torch internals; anything unexpected
+    means (None, None): the caller then just exchanges again."""
+    if torch.compiler.is_compiling():
+        return None, None
+    try:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, RuntimeError):  # pragma: no cover - another torch
+        return None, None
+    if not hooks:
+        return None, None
+    pack = hooks[0]
+    name = getattr(pack, "__qualname__", "")
+    phase = "forward" if name.startswith("_checkpoint_hook.") else None
+    for _ in range(3):  # the recompute's pack hook is wrapped (torch._dynamo.disable)
+        cells = dict(zip(pack.__code__.co_freevars, (c.cell_contents for c in pack.__closure__ or ())))
+        if phase == "forward" and "frame" in cells:
+            return phase, cells["frame"]
+        if "target_frame_ref" in cells:
+            frame = cells["target_frame_ref"]()
+            return ("recompute", frame) if frame is not None else (None, None)
+        pack = cells.get("fn")
+        if pack is None or not hasattr(pack, "__code__"):
+            break
+    return None, None
 
 
 def _regroup_index(counts_PL: torch.Tensor, total: int | None = None) -> torch.Tensor:

@@ -4,12 +4,17 @@ Gradient reduction SUMS over the data-parallel ranks (divide factor 1): the loss
 ``sum of its token losses / global token count`` (``components/loss.py``, ``data/loss.py``), so the
 sum over ranks is exactly the global token mean. Expert weights reduce over their own mesh
 (``efsdp``), whose ranks together with the expert all-to-all cover the same data: with SUM there is
-no per-mesh factor to get wrong.
+no per-mesh factor to get wrong. The SUM is forced for the collectives too (``set_force_sum_reduction_for_comms``:
+no AVG / pre-multiplied sum, which gloo lacks, and no division to undo).
+
+Gradients reduce in fp32 by default (``--training.mixed_precision_reduce``), also under bf16 parameters, as
+torchtitan does: FSDP casts each bf16 gradient to fp32 before the reduce-scatter, so the sum over ranks keeps
+fp32's mantissa. Explicit prefetch (``set_prefetch``) chains the units every forward runs in order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -18,15 +23,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from hyper_parallel import torch_features
 from hyper_parallel.config.dtypes import TORCH_DTYPE_MAP
+from hyper_parallel.config.errors import ConfigError
 from hyper_parallel.config.training import TrainingConfig
 
 __all__ = [
     "cast_inputs_to_param_dtype",
-    "fp32_policy_like",
     "mixed_precision_policy",
     "reshard_policy",
     "set_gradient_reduction",
+    "set_prefetch",
     "shard_module",
     "store_frozen_in_param_dtype",
     "sum_gradients",
@@ -62,7 +69,22 @@ def sum_gradients(module: FSDPModule) -> None:
     """
     module.set_gradient_divide_factor(1.0)
     module.set_force_sum_reduction_for_comms(True)
-    module.set_reduce_scatter_unused_params(True, recurse=False)
+    if torch_features.has("fsdp_unused_params"):
+        module.set_reduce_scatter_unused_params(True, recurse=False)
+        return
+    shard_ranks = module._get_fsdp_state()._fsdp_param_group.mesh_info.shard_mesh_size if _has_group(module) else 1
+    if shard_ranks > 1:
+        raise ConfigError(
+            f"torch {torch.__version__} has no FSDPModule.set_reduce_scatter_unused_params, so a rank whose "
+            f"micro-batch leaves a parameter unused would hang the gradient reduce-scatter of its {shard_ranks}-rank "
+            "FSDP group; install torch >= 2.13 (pip install torch==2.13.0) or run one rank per FSDP group "
+            "(--parallelism.data_parallel_shard_degree 1)"
+        )
+
+
+def _has_group(module: FSDPModule) -> bool:
+    """Whether ``module`` manages parameters itself (a root without direct parameters has no group)."""
+    return module._get_fsdp_state()._fsdp_param_group is not None
 
 
 def shard_module(
@@ -73,15 +95,23 @@ def shard_module(
     reshard_after_forward: bool | None = None,
     ignored_params: Iterable[nn.Parameter] | None = None,
     shard_dim: int = 0,
+    param_meshes: Mapping[nn.Parameter, tuple[DeviceMesh, int]] | None = None,
 ) -> FSDPModule | list[FSDPModule]:
     """``fully_shard`` with SUM gradient reduction; ``shard_dim`` != 0 shards every parameter on that dim.
 
     A list of modules becomes one FSDP unit (one all-gather and one reduce-scatter for all of them).
 
     A 2-D ``mesh`` (``dp_replicate x shard``) is HSDP: replicated over the first axis, sharded over the second.
+
+    ``param_meshes``: parameters sharded over another mesh (and dim) than ``mesh`` inside this same unit (FSDP2's
+    per-parameter mesh, ``torch_features.has("fsdp_per_param_mesh")``): each mesh becomes a param group of the
+    unit with its own all-gather and reduce-scatter, but the unit has ONE set of hooks, so no FSDP hook runs
+    inside a compiled block (routed experts on ``efsdp``, tp-reduced weights on a mesh including tp).
     """
     placement_fn = None
-    if shard_dim != 0:
+    if param_meshes:
+        placement_fn = _per_param_placement(mesh, shard_dim, param_meshes)
+    elif shard_dim != 0:
 
         def placement_fn(param: nn.Parameter) -> Shard:
             return Shard(shard_dim) if param.ndim > shard_dim else Shard(0)
@@ -98,6 +128,32 @@ def shard_module(
     # A list of modules forms one FSDP unit whose state the first module holds.
     sum_gradients(fsdp_module[0] if isinstance(fsdp_module, (list, tuple)) else fsdp_module)
     return fsdp_module
+
+
+def _per_param_placement(
+    mesh: DeviceMesh, shard_dim: int, param_meshes: Mapping[nn.Parameter, tuple[DeviceMesh, int]]
+) -> Callable[[nn.Parameter], object]:
+    """A ``shard_placement_fn`` giving each parameter its (mesh, dim): ``param_meshes``, else (``mesh``, ``shard_dim``).
+
+    FSDP2 groups parameters by process group and wants ONE mesh-info object per group: every result, the
+    default mesh's included, carries a mesh info made here once per mesh."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+
+    infos: dict[int, object] = {}
+
+    def info(m: DeviceMesh) -> object:
+        if id(m) not in infos:
+            infos[id(m)] = _get_mesh_info(m)
+        return infos[id(m)]
+
+    by_id = {id(p): where for p, where in param_meshes.items()}
+
+    def placement_fn(param: nn.Parameter) -> ShardPlacementResult:
+        m, dim = by_id.get(id(param), (mesh, shard_dim))
+        return ShardPlacementResult(placement=Shard(dim) if param.ndim > dim else Shard(0), mesh_info=info(m))
+
+    return placement_fn
 
 
 def tied_groups(modules: Sequence[nn.Module]) -> list[list[nn.Module]]:
@@ -122,16 +178,6 @@ def tied_groups(modules: Sequence[nn.Module]) -> list[list[nn.Module]]:
         groups[first][1].append(module)
         groups = [g for i, g in enumerate(groups) if i not in touching[1:]]
     return [members for _, members in groups]
-
-
-def fp32_policy_like(policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
-    """``policy`` with fp32 parameters (routers keep their fp32 gate under bf16 training)."""
-    return MixedPrecisionPolicy(
-        param_dtype=torch.float32,
-        reduce_dtype=policy.reduce_dtype,
-        output_dtype=policy.output_dtype,
-        cast_forward_inputs=policy.cast_forward_inputs,
-    )
 
 
 def store_frozen_in_param_dtype(
@@ -203,3 +249,48 @@ def set_gradient_reduction(model: nn.Module, *, last: bool, defer: bool, replica
     all_reduce = getattr(model, "set_requires_all_reduce", None)
     if replicated and callable(all_reduce):
         all_reduce(last)
+
+
+def _units_of(module: nn.Module) -> list[FSDPModule]:
+    """The FSDP units inside ``module`` (itself first, then nested ones), one module per unit."""
+    out, seen = [], set()
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        state = m._get_fsdp_state()
+        if id(state) in seen or not _param_groups(state):
+            continue  # a unit of several modules is listed once; a unit without parameters gathers nothing
+        seen.add(id(state))
+        out.append(m)
+    return out
+
+
+def _param_groups(state) -> list:
+    """A unit's parameter groups (several with per-parameter meshes; torch < 2.13 has the one group only)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+
+
+def set_prefetch(chain: Sequence[nn.Module]) -> int:
+    """Explicit FSDP prefetch along ``chain``: modules whose units run in this order in every forward (the
+    token embedding, the decoder layers, the LM head). Returns how many units got a prefetch.
+
+    Forward: as soon as a unit's parameters are gathered it issues the all-gather of the next module's units
+    (the module's own and any nested one, e.g. experts on their own mesh). FSDP's implicit overlap issues that
+    all-gather only when the CPU reaches the next module; a host sync in between (expert parallel's split
+    sizes) would leave the link idle until then. Backward: each unit gathers the previous module's units
+    (what FSDP's reverse post-forward order does implicitly, named explicitly as torchtitan does, nested units
+    included). One module ahead: at most one extra unit's parameters live at a time.
+
+    Every module of ``chain`` must run in every forward, in this order (a prefetched unit that never runs
+    would keep its gathered parameters until the step ends); modules that are not FSDP units are skipped.
+    """
+    units = [u for u in (_units_of(m) for m in chain) if u]
+    for i, own in enumerate(units):
+        if i + 1 < len(units):
+            own[0].set_modules_to_forward_prefetch(units[i + 1])
+        if i > 0:
+            own[0].set_modules_to_backward_prefetch(units[i - 1])
+    return len(units) if len(units) > 1 else 0

@@ -1,22 +1,24 @@
 """The parallelisation pipeline every decoder model shares; a model's ``parallelize.py`` only supplies its
 declared placements and model facts.
 
-Order: CP -> activation checkpointing -> TP/SP -> EP -> compile -> FSDP2.
+Order: CP -> TP/SP -> EP -> activation checkpointing -> compile -> FSDP2 (torchtitan's order).
 
-Activation checkpointing sits before TP (torchtitan applies it after): it is hook-based here, and its
-hooks must be the first ones of a decoder layer so that recomputation replays the layer's original
-inputs through every later hook (see ``activation_checkpoint.py``). CP hooks live on the attention
-cores inside the layers and are unaffected.
+Activation checkpointing swaps each chosen layer's class for one whose ``forward`` runs under
+``torch.utils.checkpoint`` (``activation_checkpoint.py``): the layer's own hooks (TP input layouts, FSDP) stay
+outside the recomputed region, so its place in the order no longer matters for correctness; it comes right
+before compile, which captures each block's ``forward`` (checkpoint included) as one graph.
 
 FSDP units: every decoder layer, the token embedding, the LM head, the root (which holds the rest, and
-ignores frozen parameters). Inside a layer, parameters whose gradients differ across tp ranks get units
-on a mesh that includes tp, so FSDP's SUM completes them: under TP the replicated weights inside TP
-blocks (MLA's latent projections and norms: their activation gradients are partial sums), and, as the
-MoE runs on the rank's sequence shard, the router, the routed experts and any other plain MoE weight
-(a shared-expert gate). Statistics over a forward's tokens (the MoE aux loss) are summed over the cp x tp
-ranks that split them (``token_split.py``). With EP the routed experts get a
-unit on ``efsdp``, sharded on dim 1. A bf16 run keeps routers in fp32 units and stores frozen parameters (a
-LoRA base) in bf16: no fp32 master copy, no gradient, no reduce-scatter for them.
+ignores frozen parameters). Parameters of a layer whose gradients differ across tp ranks are sharded over a
+mesh that includes tp, so FSDP's SUM completes them; a compiled layer is ONE unit where they form param groups
+(FSDP2's per-parameter mesh: no FSDP hook inside the block's graph), an eager one nests units for them: under
+TP the replicated weights inside TP blocks (MLA's latent projections and norms: their activation gradients are
+partial sums), and, as the MoE runs on the rank's sequence shard, the router, the routed experts and any other
+plain MoE weight (a shared-expert gate). Statistics over a forward's tokens (the MoE aux loss) are summed over
+the cp x tp ranks that split them (``token_split.py``). With EP the routed experts are sharded on dim 1 over
+``efsdp``. A bf16 run gathers routers in bf16 like every weight of the layer (their master
+copy stays fp32; ``Router.forward`` computes in fp32, as Megatron's fp32 router does) and stores frozen
+parameters (a LoRA base) in bf16: no fp32 master copy, no gradient, no reduce-scatter for them.
 Gradients are summed, not averaged, over data-parallel ranks (see ``fsdp.py``).
 """
 
@@ -27,8 +29,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
 
+from hyper_parallel import torch_features
 from hyper_parallel.config.parallelism import ParallelismConfig
 from hyper_parallel.config.training import ActivationCheckpointConfig, CompileConfig, TrainingConfig
 from hyper_parallel.distributed.activation_checkpoint import apply_activation_checkpointing
@@ -37,9 +41,9 @@ from hyper_parallel.distributed.context_parallel import apply_context_parallel
 from hyper_parallel.distributed.expert_parallel import apply_expert_parallel_dispatch
 from hyper_parallel.distributed.fsdp import (
     cast_inputs_to_param_dtype,
-    fp32_policy_like,
     mixed_precision_policy,
     reshard_policy,
+    set_prefetch,
     shard_module,
     store_frozen_in_param_dtype,
     tied_groups,
@@ -127,6 +131,62 @@ def _moe_token_shard_modules(moe: nn.Module, skip: Iterable[nn.Module | None]) -
     ]
 
 
+def _layer_param_meshes(
+    layer: nn.Module, pd: ParallelDims, *, tp_partial: set[int], separate_moe: bool
+) -> dict[nn.Parameter, tuple[DeviceMesh, int]]:
+    """The parameters of ``layer`` that FSDP shards over another mesh than the dense one, with (mesh, shard dim).
+
+    Under TP: plain weights inside TP blocks whose activation gradients are partial (``tp_partial``), and the
+    MoE's router and other plain weights (it runs on the rank's sequence shard), on a mesh including tp. Under
+    EP or TP: the routed experts on ``efsdp`` (dim 1 under EP: dim 0 is the expert-parallel shard). The router
+    has no unit of its own: it computes in fp32 from its weight whatever the unit's compute dtype
+    (``Router.forward`` upcasts; its master copy stays fp32, as every trainable weight's)."""
+    out: dict[nn.Parameter, tuple[DeviceMesh, int]] = {}
+
+    def put(params: Iterable[nn.Parameter], mesh: DeviceMesh, dim: int = 0) -> None:
+        for p in params:
+            out.setdefault(p, (mesh, dim))  # the first claim wins, as the first nested unit did
+
+    with_tp = pd.fsdp_mesh_with_tp() if pd.tp_enabled else None
+    if with_tp is not None:
+        put((p for m in layer.modules() if id(m) in tp_partial for p in m.parameters(recurse=False)), with_tp)
+    moe = getattr(layer, "mlp", None)
+    if moe is not None and hasattr(moe, "experts"):
+        router = getattr(moe, "gate", None)
+        if with_tp is not None:
+            if router is not None:
+                put(router.parameters(), with_tp)
+            # e.g. a shared-expert gate: plain weights that see only this rank's tokens
+            local = _moe_token_shard_modules(moe, skip=(router, moe.experts))
+            put((p for m in local for p in m.parameters(recurse=False)), with_tp)
+        if separate_moe:
+            put(moe.experts.parameters(), pd.efsdp_mesh(), 1 if pd.ep_enabled else 0)
+    dense = pd.fsdp_mesh()
+    return {p: where for p, where in out.items() if where != (dense, 0)}
+
+
+def _group_by_mesh(
+    meshes: Mapping[nn.Parameter, tuple[DeviceMesh, int]],
+) -> list[tuple[tuple[DeviceMesh, int], list[nn.Parameter]]]:
+    groups: dict[tuple[int, int], tuple[tuple[DeviceMesh, int], list[nn.Parameter]]] = {}
+    for p, (mesh, dim) in meshes.items():
+        groups.setdefault((id(mesh), dim), ((mesh, dim), []))[1].append(p)
+    return list(groups.values())
+
+
+def _owners(layer: nn.Module, params: list[nn.Parameter]) -> list[nn.Module]:
+    """The smallest modules of ``layer`` whose parameters are exactly among ``params`` (a nested FSDP unit)."""
+    wanted = {id(p) for p in params}
+    owners: list[nn.Module] = []
+    covered: set[int] = set()
+    for m in layer.modules():
+        own = [id(p) for p in m.parameters()]
+        if own and set(own) <= wanted and not set(own) <= covered:
+            owners.append(m)
+            covered.update(own)
+    return owners
+
+
 def _check_sequence_hook(parallel_dims: ParallelDims):
     tp = parallel_dims.tp
 
@@ -188,16 +248,13 @@ def parallelize_decoder(
     # statistics over a forward's tokens (the MoE aux loss's) sum over the ranks that split them: cp x tp
     apply_token_split(model, pd)
 
-    # 2. activation checkpointing (first hooks on each layer)
-    apply_activation_checkpointing(layers, ac_config)
-
-    # 3. tensor / sequence parallel
+    # 2. tensor / sequence parallel
     if pd.tp_enabled:
         apply_sharding_configs(model, pd, MeshAxisName.TP, declared)
         if pd.sp_enabled:
             model.register_forward_pre_hook(_check_sequence_hook(pd), with_kwargs=True)
 
-    # 4. expert parallel
+    # 3. expert parallel
     if pd.ep_enabled:
         sharded = apply_sharding_configs(model, pd, MeshAxisName.EP, declared)
         # (a pipeline stage may hold dense layers only; the layout check saw the whole model's experts)
@@ -210,15 +267,17 @@ def parallelize_decoder(
     routers = [m.mlp.gate for m in layers if hasattr(getattr(m, "mlp", None), "experts") and hasattr(m.mlp, "gate")]
     store_frozen_in_param_dtype(model, mp, keep=routers, ignored=ignored_params)
 
-    # 5. compile
+    # 4. activation checkpointing (a class swap: the layers' forward runs under torch.utils.checkpoint, hooks
+    # stay outside it) and compile (one graph per block kind), then FSDP: torchtitan's AC -> compile -> FSDP
+    apply_activation_checkpointing(layers, ac_config)
     apply_compile(layers, compile_config)
 
-    # 6. FSDP2 / HSDP
+    # 5. FSDP2 / HSDP
     reshard = reshard_policy(parallelism.fsdp_reshard_after_forward, pipeline=pd.pp_enabled)
-    dense_mesh, expert_mesh = pd.fsdp_mesh(), pd.efsdp_mesh()
+    dense_mesh = pd.fsdp_mesh()
     # Parameters whose gradients differ across tp ranks reduce over a mesh that includes tp: replicated
     # weights inside TP blocks (partial activation gradients) and, as the MoE runs on the rank's sequence
-    # shard, the router and the routed experts.
+    # shard, the router and the routed experts (``_layer_param_meshes``).
     tp_partial = {id(m) for m in _tp_partial_param_modules(model, declared)} if pd.tp_enabled else set()
     separate_moe = pd.ep_enabled or pd.tp_enabled
     # Tied embedding and head share one parameter: one FSDP unit for both, sharded where the head is.
@@ -229,29 +288,35 @@ def parallelize_decoder(
             shard_module(unit if len(unit) > 1 else unit[0], dense_mesh, mp_policy=mp, reshard_after_forward=reshard)
     for module in cast_input_modules:
         cast_inputs_to_param_dtype(module, mp)
+    # A compiled block is ONE unit (no FSDP hooks inside its graph): parameters reducing over another mesh
+    # (experts on efsdp, tp-reduced weights) are param groups of it. Eager blocks keep nested units: the same
+    # collectives, and torch's FSDPMemTracker (the dry run) knows one param group per unit only.
+    one_unit = compile_config.enable and torch_features.has("fsdp_per_param_mesh")
     for layer in layers:
-        partial = [m for m in layer.modules() if id(m) in tp_partial]
-        if partial:
-            shard_module(partial, pd.fsdp_mesh_with_tp(), mp_policy=mp, reshard_after_forward=reshard)
-        moe = getattr(layer, "mlp", None)
-        if moe is not None and hasattr(moe, "experts"):
-            router = getattr(moe, "gate", None)
-            if router is not None and (pd.tp_enabled or mp.param_dtype not in (None, torch.float32)):
-                router_mesh = pd.fsdp_mesh_with_tp() if pd.tp_enabled else dense_mesh
-                shard_module(router, router_mesh, mp_policy=fp32_policy_like(mp), reshard_after_forward=reshard)
-            local = _moe_token_shard_modules(moe, skip=(router, moe.experts)) if pd.tp_enabled else []
-            if local:  # e.g. a shared-expert gate: plain weights that see only this rank's tokens
-                shard_module(local, pd.fsdp_mesh_with_tp(), mp_policy=mp, reshard_after_forward=reshard)
-            if separate_moe:
-                shard_module(
-                    moe.experts,
-                    expert_mesh,
-                    mp_policy=mp,
-                    reshard_after_forward=reshard,
-                    shard_dim=1 if pd.ep_enabled else 0,
-                )
+        meshes = _layer_param_meshes(layer, pd, tp_partial=tp_partial, separate_moe=separate_moe)
+        if one_unit or not meshes:
+            shard_module(layer, dense_mesh, mp_policy=mp, reshard_after_forward=reshard, param_meshes=meshes)
+            continue
+        # nested units (under compile only with a torch without per-parameter meshes: the block then breaks
+        # its graph at their hooks)
+        for (mesh, shard_dim), params in _group_by_mesh(meshes):
+            shard_module(_owners(layer, params), mesh, mp_policy=mp, reshard_after_forward=reshard, shard_dim=shard_dim)
         shard_module(layer, dense_mesh, mp_policy=mp, reshard_after_forward=reshard)
     for unit in head_units:
         shard_module(unit if len(unit) > 1 else unit[0], dense_mesh, mp_policy=mp, reshard_after_forward=reshard)
     shard_module(model, dense_mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=list(ignored_params))
+    set_prefetch(_prefetch_chain(model, layers))
     return model
+
+
+def _prefetch_chain(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
+    """The FSDP units every forward runs in this order: the token embedding, the decoder's own layers (not a
+    vision tower's, which runs only with images, nor the MTP block's), the LM head. A tied embedding and head
+    (one unit, run first and last) stay out of it."""
+    held = {id(m) for m in layers}
+    chain = [m for m in getattr(model, "layers", ()) if id(m) in held]
+    embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
+    tied = embed is not None and head is not None and any(p is q for p in embed.parameters() for q in head.parameters())
+    if chain and not tied:
+        chain = [*([embed] if embed is not None else []), *chain, *([head] if head is not None else [])]
+    return chain

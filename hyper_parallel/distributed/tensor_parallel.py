@@ -33,6 +33,7 @@ reduce-scatter of a ``Partial`` gradient.
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -140,10 +141,13 @@ def _convert(
     dst: Placement | None,
     *,
     local: bool,
-    what: str,
+    what: Callable[[], str],
     grad: Placement | None = None,
 ) -> Any:
     """Read ``x`` as ``src``, redistribute to ``dst``; hand on a DTensor, or its local tensor when ``local``.
+
+    ``what`` names the tensor for an error, built only then: under torch.compile a string made from the
+    module's FQN on every call would be guarded, and every layer would recompile its block.
 
     ``grad`` is how the gradient of the handed-on tensor is to be read in backward (``Partial``: every rank
     holds its own contribution, reduced by the backward of the redistribution or by ``from_local``).
@@ -155,7 +159,7 @@ def _convert(
     elif src is None:
         if dst is None:
             return x
-        raise ValueError(f"{what}: a local tensor arrived but no placement is declared to read it; declare it")
+        raise ValueError(f"{what()}: a local tensor arrived but no placement is declared to read it; declare it")
     else:
         src = _normalize(src, x.ndim)
         needs_redistribute = dst is not None and _normalize(dst, x.ndim) != src
@@ -196,19 +200,24 @@ def _input_grad(sc: ShardingConfig, pos: int | None, axis: MeshAxisName) -> Plac
     return _on_axis(grads[pos], axis)
 
 
+_FQNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Module -> its FQN, for error messages only: a hook never reads its layer's FQN while it runs, since under
+torch.compile a per-layer string read in a block's graph is guarded and every layer would recompile the block."""
+
+
 def _make_pre_hook(
     mesh: DeviceMesh,
     sc: ShardingConfig,
     axis: MeshAxisName,
     binder: dict[str, int | None],
     dtensor_inputs: bool,
-    fqn: str,
 ) -> Callable[..., Any]:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         args, kwargs = list(args), dict(kwargs)
         for name, pos in binder.items():
             src, dst = _on_axis(sc.inputs.get(name), axis), _on_axis(sc.desired_inputs.get(name), axis)
-            kw = dict(local=not dtensor_inputs, what=f"{fqn} input {name!r}", grad=_input_grad(sc, pos, axis))
+            kw = dict(local=not dtensor_inputs, what=lambda: f"{_FQNS.get(module)} input {name!r}",
+                      grad=_input_grad(sc, pos, axis))
             if pos is not None and pos < len(args):
                 args[pos] = _convert(args[pos], mesh, src, dst, **kw)
             elif name in kwargs:
@@ -218,13 +227,13 @@ def _make_pre_hook(
     return hook
 
 
-def _make_post_hook(mesh: DeviceMesh, sc: ShardingConfig, axis: MeshAxisName, fqn: str) -> Callable[..., Any]:
+def _make_post_hook(mesh: DeviceMesh, sc: ShardingConfig, axis: MeshAxisName) -> Callable[..., Any]:
     src, dst = _on_axis(sc.outputs, axis), _on_axis(sc.desired_outputs, axis)
 
-    def one(out: Any) -> Any:
-        return _convert(out, mesh, src, dst, local=sc.use_local_output, what=f"{fqn} output")
-
     def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+        def one(out: Any) -> Any:
+            return _convert(out, mesh, src, dst, local=sc.use_local_output, what=lambda: f"{_FQNS.get(module)} output")
+
         if isinstance(output, (tuple, list)):
             return type(output)(one(o) for o in output)
         return one(output)
@@ -279,10 +288,11 @@ def apply_sharding_configs(
         if names:
             binder = _input_binder(module, names, fqn)
             module.register_forward_pre_hook(
-                _make_pre_hook(mesh, sc, axis, binder, dtensor_inputs, fqn), with_kwargs=True
+                _make_pre_hook(mesh, sc, axis, binder, dtensor_inputs), with_kwargs=True
             )
         if _on_axis(sc.outputs, axis) is not None or _on_axis(sc.desired_outputs, axis) is not None or dtensor_inputs:
-            module.register_forward_hook(_make_post_hook(mesh, sc, axis, fqn))
+            module.register_forward_hook(_make_post_hook(mesh, sc, axis))
+        _FQNS[module] = fqn
         done.append(fqn)
     params = dict(model.named_parameters(remove_duplicate=False))
     for fqns in tied:

@@ -44,6 +44,8 @@ from hyper_parallel.config.manager import ConfigManager
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.config.dtypes import to_torch_dtype
 from hyper_parallel.dry_run.advice import fit_advice
+from hyper_parallel.dry_run.deltanet import DeltaNetPath, describe_path, document_bounds, has_deltanet, with_path
+from hyper_parallel.dry_run.deltanet import deltanet_path as deltanet_path_for
 from hyper_parallel.dry_run.hf_memory import hf_io_memory
 from hyper_parallel.dry_run.layout import ParamLayout, ShardCensus, optimizer_state_layout, param_layouts, rank_memory
 from hyper_parallel.dry_run.lora_memory import lora_memory
@@ -77,6 +79,10 @@ dry-run options:
   --device_memory_gib G     accelerator memory for the fit verdict (default 80)
   --full_depth              simulate the step with every layer (default: scale two shallow copies per layer)
   --no_step                 only validate and size parameters, gradients and optimizer state
+  --document_tokens N       pack each simulated micro-batch with N-token documents (default 0: one document);
+                            the torch Gated DeltaNet path pads every document to 64-token chunks
+  --deltanet_path P         auto (default: fla when CUDA and fla + causal-conv1d are installed here, else torch),
+                            torch or fla: the Gated DeltaNet path whose memory the step models
 """
 
 
@@ -88,18 +94,31 @@ def dry_run(
     simulate: bool = True,
     full_depth: bool = False,
     title: str = "",
+    document_tokens: int = 0,
+    deltanet_path: DeltaNetPath = "auto",
 ) -> DryRunReport:
     """Validate ``config``'s layout on ``world_size`` simulated ranks and size every rank.
 
     Raises the Trainer's ``ConfigError`` for an invalid layout. ``simulate=False`` skips the simulated step
     (no peak or collectives); ``full_depth`` simulates every layer instead of scaling two shallow copies.
+    ``document_tokens``: the simulated micro-batches pack documents of that many tokens (0: one document);
+    ``deltanet_path``: the Gated DeltaNet path whose memory the step models (``deltanet.py``; the report says which).
     """
     spec = discover_model_spec(config.model_spec)
     # an HF folder (--checkpoint.initial_load_path) is the model, as in the trainer: size the folder's
     folder = config.checkpoint.initial_load_path
     model = resolve_run_model(spec, config.model, folder=folder, explicit=config.explicit_model_fields).config
+    if spec.fit_to_data is not None:  # the model the data needs, as in the trainer (GlmImageMoe: an image path)
+        model = spec.fit_to_data(model, config.data.source_types())[0]
     # LoRA: adapters on the resolved model, as the Trainer applies them (build_parallel_model freezes the base)
     config = dataclasses.replace(config, model=apply_lora(model, config.lora))
+    document_bounds(config.data.max_tokens_per_microbatch, document_tokens)  # checks the value
+    path = None
+    if has_deltanet(config.model):
+        path = deltanet_path_for(deltanet_path, compute_dtype=config.training.mixed_precision_param,
+                                 model_config=config.model)  # fmt: skip
+    if path is not None:  # the fla path: the core's memory is fla's (a copy of the model config)
+        config = dataclasses.replace(config, model=with_path(config.model, path))
     pd = ParallelDims.from_config(config.parallelism, world_size)
     validate_layout(spec, config, pd)
     layers = list(getattr(config.model, "layers", None) or [])
@@ -125,11 +144,14 @@ def dry_run(
         ),
         device_memory_gib=device_memory_gib,
         notes=[
-            "micro-batches are text-only single documents (with MTP on: one image per context-parallel piece where "
-            "the model takes images); the trainer's scalar all-reduces (token count, loss, gradient norm, expert "
-            "load) are not counted"
+            ("micro-batches are text-only single documents" if not document_tokens else
+             f"micro-batches are text-only, packed with {document_tokens}-token documents")
+            + " (with MTP on: one document, one image per context-parallel piece where the model takes images); the "
+            "trainer's scalar all-reduces (token count, loss, gradient norm, expert load) are not counted"
         ],
     )
+    if path is not None:
+        report.notes.append(describe_path(path, config.data.max_tokens_per_microbatch, document_tokens))
     if config.lora.enabled:
         report.lora = lora_memory(layouts, config.lora)
     report.hf_io = hf_io_memory(
@@ -141,14 +163,14 @@ def dry_run(
     if pipe is not None:
         report.pipeline = pipe
         if simulate:
-            _simulate_pipeline(spec, config, pd, pipe, report, world_size)
+            _simulate_pipeline(spec, config, pd, pipe, report, world_size, document_tokens)
     elif simulate:
         # Simulate the rank with the most static memory (ties: the lowest), e.g. the one with the most experts.
         rank = max(census.ranks, key=lambda m: (m.static, -m.rank)).rank
         with fake_world(world_size, rank=rank):
             pd.build_mesh(MESH_DEVICE)
             labels = axis_labels(pd)
-            measured = simulate_step(spec, config, pd, plan)
+            measured = simulate_step(spec, config, pd, plan, document_tokens=document_tokens)
         head = plan.head
         if plan.scaled and (plan.num_layers - head) % plan.period:
             report.notes.append(
@@ -173,7 +195,7 @@ def dry_run(
 
 def _simulate_pipeline(
     spec: ModelSpec, config: Trainer.Config, pd: ParallelDims, pipe: PipelinePlan, report: DryRunReport,
-    world_size: int,
+    world_size: int, document_tokens: int = 0,
 ) -> None:
     """Simulate every pipeline rank group's step as its fullest rank; the report's peak and collectives are those
     of the group with the highest estimated peak."""
@@ -183,7 +205,7 @@ def _simulate_pipeline(
         with fake_world(world_size, rank=rank):
             pd.build_mesh(MESH_DEVICE)
             labels = axis_labels(pd)
-            simulate_pipeline_rank(spec, config, pd, pipe, group.pp_rank)
+            simulate_pipeline_rank(spec, config, pd, pipe, group.pp_rank, document_tokens)
         comm[group.pp_rank] = [
             CommVolume(kind, labels.get(name, f"group {name}"), size, calls, nbytes)
             for (kind, name, size), (calls, nbytes) in group.comm.items()
@@ -285,6 +307,14 @@ def main(argv: Sequence[str] | None = None) -> DryRunReport:
     memory = _pop(args, "--device_memory_gib")
     full_depth = _pop(args, "--full_depth", flag=True) is not None
     no_step = _pop(args, "--no_step", flag=True) is not None
+    document_tokens = _pop(args, "--document_tokens")
+    path = _pop(args, "--deltanet_path") or "auto"
+    if document_tokens is not None and not document_tokens.isdigit():
+        raise ConfigError(
+            f"--document_tokens N (tokens per packed document, 0 = one per micro-batch); got {document_tokens!r}"
+        )
+    if path not in ("auto", "torch", "fla"):
+        raise ConfigError(f"--deltanet_path must be auto, torch or fla; got {path!r}")
     manager = ConfigManager()
     config = manager.parse_args(args)
     if world_size is None or not world_size.isdigit() or int(world_size) < 1:
@@ -300,6 +330,8 @@ def main(argv: Sequence[str] | None = None) -> DryRunReport:
         simulate=not no_step,
         full_depth=full_depth,
         title=f"{manager.module}.{manager.recipe}",
+        document_tokens=int(document_tokens or 0),
+        deltanet_path=path,  # type: ignore[arg-type]
     )
     print(format_report(report))
     return report

@@ -95,6 +95,13 @@ def _static_knobs(report: DryRunReport, config: Trainer.Config, pd: ParallelDims
         )
     if config.optimizer.name == "adamw" and worst.optimizer >= max(worst.params, worst.grads):
         knobs.append("--optimizer.name muon keeps one momentum buffer per matrix instead of AdamW's two moments")
+    lora = getattr(config, "lora", None)
+    if lora is not None and not lora.enabled and worst.grads > 0:
+        knobs.append(
+            "a LoRA fine-tune (--lora.rank 16, e.g. --lora.targets all-linear experts): the base is frozen in the "
+            "training dtype, with no gradient or optimizer state, so it needs a fraction of this static memory (the "
+            "*_lora recipes are sized for 2 x 80 GiB)"
+        )
     return knobs
 
 

@@ -105,8 +105,12 @@ def _fsdp_padded_numels(model: nn.Module) -> dict[int, int]:
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        group = module._get_fsdp_state()._fsdp_param_group
-        for fsdp_param in group.fsdp_params if group is not None else ():
+        state = module._get_fsdp_state()
+        # a unit has several param groups with per-parameter meshes (experts on efsdp inside a layer's unit)
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # older torch: one group at most
+            groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+        for fsdp_param in (p for group in groups for p in group.fsdp_params):
             out[id(fsdp_param.sharded_param)] = fsdp_param.padded_sharded_param_size.numel()
     return out
 

@@ -70,6 +70,7 @@ def mtp_micro_batch(
         batch["image_grid_thw"] = torch.tensor([[1, m * r, m * r]] * n_pieces, dtype=torch.int64)
         batch["pixel_values"] = torch.zeros(n_pieces * (m * r) ** 2, 3 * tp * p * p)
     batch = add_mtp_targets(batch, ignore_index=ignore_index)
+    batch.update(model.host_inputs(batch))  # the model's host facts, before the split (as the trainer)
     cls = type(model)
     out = split_batch_for_cp(
         batch, pd.mesh_coordinate("cp") if pd.cp > 1 else 0, pd.cp,

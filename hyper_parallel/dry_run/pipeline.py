@@ -291,7 +291,8 @@ def _current(tracker: Any) -> float:
 
 
 def simulate_pipeline_rank(
-    spec: ModelSpec, config: Trainer.Config, pd: ParallelDims, plan: PipelinePlan, pp_rank: int
+    spec: ModelSpec, config: Trainer.Config, pd: ParallelDims, plan: PipelinePlan, pp_rank: int,
+    document_tokens: int = 0,
 ) -> None:
     """Simulate one step of pp rank ``pp_rank``'s stages (the fake world must be set up as the group's worst rank);
     fills the group's ``step_peak``, ``held_per_micro_batch`` and ``comm``.
@@ -322,7 +323,7 @@ def simulate_pipeline_rank(
             tracker.track_external(*parts, *container.optimizers)
         held = 0.0
         with tracker:
-            mb = micro_batch(config, pd, parts[0])
+            mb = micro_batch(config, pd, parts[0], document_tokens)
             kwargs = dict(position_ids=mb["position_ids"], cu_seqlens=mb["cu_seqlens"], max_seqlen=mb["max_seqlen"],
                           **mb.get("model_inputs", {}))  # fmt: skip
             global_tokens = float(mb["labels"].numel() * pd.dp * pd.cp * n_total)

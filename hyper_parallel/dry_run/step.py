@@ -32,6 +32,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from hyper_parallel.distributed.fsdp import set_gradient_reduction
 from hyper_parallel.distributed.parallel_dims import ParallelDims
+from hyper_parallel.dry_run.deltanet import document_bounds
 from hyper_parallel.dry_run.layout import OptimizerStateLayout, optimizer_state_layout
 from hyper_parallel.dry_run.mtp_batch import mtp_micro_batch
 from hyper_parallel.dry_run.simulation import CommLog, SimulationMode
@@ -170,22 +171,26 @@ def materialize_with_optimizer(model: nn.Module, config: Trainer.Config) -> Any:
     return optimizers
 
 
-def micro_batch(config: Trainer.Config, pd: ParallelDims, model: nn.Module) -> dict[str, Any]:
-    """This rank's part of one micro-batch: one document of ``max_tokens_per_microbatch`` tokens, text only; with an
-    MTP block its targets and inputs too, with image positions where the model takes images (``mtp_batch``)."""
+def micro_batch(config: Trainer.Config, pd: ParallelDims, model: nn.Module, document_tokens: int = 0) -> dict[str, Any]:
+    """This rank's part of one micro-batch of ``max_tokens_per_microbatch`` tokens, text only: one document, or packed
+    ``document_tokens``-token documents (the last one shorter; ``deltanet.py``: what the torch DeltaNet path pads);
+    with an MTP block one document with its targets and inputs, with image positions where the model takes images
+    (``mtp_batch``)."""
     seqlen = config.data.max_tokens_per_microbatch
     if getattr(config.model, "mtp", None) is not None:  # the MTP block: its forward, head and loss count
         facts = discover_model_spec(config.model_spec).data_facts(config.model)
         return mtp_micro_batch(seqlen, pd, model, facts, ignore_index=config.loss.ignore_index)
     local = seqlen // pd.cp
     lo = pd.mesh_coordinate("cp") * local
+    bounds = document_bounds(seqlen, document_tokens)
+    positions = torch.cat([torch.arange(b - a, dtype=torch.int64) for a, b in zip(bounds[:-1], bounds[1:])])
     return {
         "input_ids": torch.zeros(1, local, dtype=torch.int64),
         "labels": torch.zeros(1, local, dtype=torch.int64),
-        "position_ids": torch.arange(lo, lo + local, dtype=torch.int64).unsqueeze(0),
+        "position_ids": positions[lo : lo + local].unsqueeze(0),
         # boundaries stay global under context parallel (attention sees whole sequences)
-        "cu_seqlens": torch.tensor([0, seqlen], dtype=torch.int32),
-        "max_seqlen": seqlen,
+        "cu_seqlens": torch.tensor(bounds, dtype=torch.int32),
+        "max_seqlen": max(b - a for a, b in zip(bounds[:-1], bounds[1:])),
     }
 
 
@@ -193,11 +198,12 @@ def _run_step(
     model: nn.Module, optimizers: Any, config: Trainer.Config, pd: ParallelDims, log: CommLog, n_micro: int,
     after_backward: Callable[[], None] = lambda: None,
     before_micro_batch: Callable[[int], None] = lambda i: None,
+    document_tokens: int = 0,
 ) -> None:
     loss_fn = config.loss.build()
     parallel_ctx = getattr(type(loss_fn), "parallel_context", None)
     mtp = getattr(config.model, "mtp", None)  # the MTP block: its forward, head and loss count like the trainer's
-    mb = micro_batch(config, pd, model)
+    mb = micro_batch(config, pd, model, document_tokens)
     global_tokens = float(mb["labels"].numel() * pd.dp * pd.cp * n_micro)
     mtp_kwargs = mb.get("model_inputs", {})  # mtp_input_ids and the model's image inputs
     optimizers.zero_grad()
@@ -238,7 +244,7 @@ def _has_multi_module_units(model: nn.Module) -> bool:
 
 
 def _measure(
-    spec: ModelSpec, config: Trainer.Config, pd: ParallelDims, model_config: Any, n_total: int
+    spec: ModelSpec, config: Trainer.Config, pd: ParallelDims, model_config: Any, n_total: int, document_tokens: int = 0
 ) -> StepMeasurement:
     """Simulate a steady-state step of ``model_config`` under the memory tracker; collectives are scaled to
     ``n_total`` micro-batches.
@@ -259,7 +265,7 @@ def _measure(
             model.to_empty(device=MESH_DEVICE)
             model.train()
             optimizers = config.optimizer.build(model_parts=[model])
-            _run_step(model, optimizers, config, pd, log, n_sim)
+            _run_step(model, optimizers, config, pd, log, n_sim, document_tokens=document_tokens)
         else:
             optimizers = materialize_with_optimizer(model, config)
         layout = optimizer_state_layout(model, optimizers)
@@ -278,7 +284,7 @@ def _measure(
             # the tracker keeps its peak across micro-batches, but refuses a second root forward without a reset
             _run_step(
                 model, optimizers, config, pd, log, n_sim, after_backward=tracker.reset_mod_stats,
-                before_micro_batch=before_micro_batch,
+                before_micro_batch=before_micro_batch, document_tokens=document_tokens,
             )  # fmt: skip
         snapshot = tracker.get_tracker_snapshot("peak")
     if not untracked_comm:
@@ -315,8 +321,12 @@ def builds_at_depth(config: Trainer.Config) -> Callable[[int], bool]:
     return probe
 
 
-def simulate_step(spec: ModelSpec, config: Trainer.Config, pd: ParallelDims, plan: LayerPlan) -> StepMeasurement:
-    """Peak memory and collectives of one optimizer step of this rank (the fake world must be set up)."""
+def simulate_step(
+    spec: ModelSpec, config: Trainer.Config, pd: ParallelDims, plan: LayerPlan, *, document_tokens: int = 0
+) -> StepMeasurement:
+    """Peak memory and collectives of one optimizer step of this rank (the fake world must be set up); micro-batches
+    of ``document_tokens``-token documents (0: one document each)."""
     n_total = micro_batches_per_step(config, pd)
-    low, *high = (_measure(spec, config, pd, model_config_at_depth(config, k), n_total) for k in plan.depths)
+    low, *high = (_measure(spec, config, pd, model_config_at_depth(config, k), n_total, document_tokens)
+                  for k in plan.depths)  # fmt: skip
     return low.combine(high[0], plan) if high else low

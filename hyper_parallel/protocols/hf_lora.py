@@ -184,11 +184,10 @@ def trained_module_keys(model: torch.nn.Module) -> list[str]:
 
 
 def folder_form_options(model: Any) -> dict[str, Any]:
-    """``save_pretrained`` options that write the base folder's own form: a GlmImageMoe model read from a
-    text-only Glm4MoeLite folder (``hf_extra["form"]``) exports text-only, so the adapter names the modules of
-    ``Glm4MoeLiteForCausalLM`` (the family's default export is the GlmImageMoe form)."""
-    extra = getattr(getattr(model, "config", None), "hf_extra", None) or {}
-    return {"text_only": True} if extra.get("form") == "glm4_moe_lite" else {}
+    """``save_pretrained`` options that write the base folder's own form: none beyond the family's own defaults
+    (a GlmImageMoe model read from a text-only Glm4MoeLite folder has no image path and exports in the
+    ``Glm4MoeLiteForCausalLM`` form by default, so the adapter names that model's modules)."""
+    return {}
 
 
 # ---- ours -> HF rows, through the family's export ----------------------------------------------------------
@@ -492,7 +491,10 @@ def _adapter_config(targets: list[LoRATarget], meta: dict[str, Any], *, form: st
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base,
+        # absolute: the adapter folder moves (to a server, another working directory) while the base stays put
+        "base_model_name_or_path": (
+            os.path.abspath(os.path.expanduser(base)) if base and os.path.exists(os.path.expanduser(base)) else base
+        ),
         "r": rank,
         "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
         "use_rslora": rslora,

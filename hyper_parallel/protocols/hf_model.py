@@ -40,7 +40,9 @@ __all__ = [
     "is_hf_folder",
     "pretrained_io",
     "resolve_run_model",
+    "resumed_folder_config",
     "spec_for_hf",
+    "with_folder_form",
 ]
 
 logger = logging.getLogger("hyper_parallel")
@@ -146,6 +148,23 @@ def check_mtp_tensors(spec: ModelSpec, hf: Mapping[str, Any], path: str | os.Pat
     )
 
 
+FUSED_EXPERT_KEYS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+"""HF keys of routed experts stored fused (``[E, 2I, H]`` / ``[E, H, I]``), as the Qwen3.5-MoE releases store them."""
+
+
+def with_folder_form(config: Any, folder: str | os.PathLike | None) -> Any:
+    """``config`` with what the folder's tensor names say about its form, in ``hf_extra`` (the export writes the
+    folder's form): ``experts_form: "fused"`` when its routed experts are stored fused (else per expert, the
+    default). A config without ``hf_extra``, or a folder without safetensors, is returned unchanged."""
+    extra = getattr(config, "hf_extra", None)
+    if not isinstance(extra, dict) or not folder or not any(Path(folder).glob("*.safetensors")):
+        return config
+    names = HFFolder.open(folder).tensors
+    if not any(k.endswith(FUSED_EXPERT_KEYS) for k in names):
+        return config
+    return dataclasses.replace(config, hf_extra={**extra, "experts_form": "fused"})
+
+
 # ---- the model of a run -----------------------------------------------------------------------
 
 
@@ -222,9 +241,47 @@ def _summary(config: Any) -> dict[str, Any]:
     return facts
 
 
+_NOT_COMPARED = ("param_init", "sharding_config", "hf_extra", "lora")
+"""Config fields that are no model fact a folder sets (how a random init draws, placements, kept HF keys)."""
+
+
+def _leaf_values(config: Any, prefix: str = "", out: dict[str, list[Any]] | None = None) -> dict[str, list[Any]]:
+    """Every leaf of a config tree by its path with list indices as ``*`` (``layers.*.mlp.num_experts``): the
+    values of all the layers at that path, in order."""
+    out = {} if out is None else out
+    if dataclasses.is_dataclass(config):
+        for f in dataclasses.fields(config):
+            if not f.name.startswith("_") and f.name not in _NOT_COMPARED:
+                _leaf_values(getattr(config, f.name), f"{prefix}{f.name}.", out)
+    elif isinstance(config, (list, tuple)) and config and all(dataclasses.is_dataclass(c) for c in config):
+        for c in config:
+            _leaf_values(c, f"{prefix}*.", out)
+    else:
+        out.setdefault(prefix[:-1], []).append(config)
+    return out
+
+
+def _shown(values: list[Any]) -> str:
+    """One value, or the distinct values of a path that differs between layers."""
+    distinct = list(dict.fromkeys(repr(v) for v in values))
+    return distinct[0] if len(distinct) == 1 else "{" + ", ".join(distinct[:4]) + (", ..." if len(distinct) > 4 else "") + "}"
+
+
 def _differences(recipe: Any, ours: Any) -> list[str]:
+    """Every field the folder sets that differs from the recipe: the top-level facts and model options, then each
+    leaf of the config tree (one entry per path, all layers together)."""
     a, b = _summary(recipe), _summary(ours)
-    return [f"{k} {b[k]!r} (recipe {a.get(k)!r})" for k in b if k in a and a[k] != b[k]]
+    # an option the recipe leaves unset (None: "as the layer tree says") is no difference of its own
+    said = [k for k in b if k in a and a[k] != b[k] and a[k] is not None]
+    out = [f"{k} {b[k]!r} (recipe {a[k]!r})" for k in said]
+    la, lb = _leaf_values(recipe), _leaf_values(ours)
+    for path, values in lb.items():
+        if path.split(".")[-1] in said or path in said:
+            continue  # the option already listed (rms_norm_eps, router_aux_loss_coef ...)
+        theirs = la.get(path)  # None: a part the recipe's model has not (the MTP block: "mtp layers" says so)
+        if theirs is not None and any(v is not None for v in theirs) and _shown(values) != _shown(theirs):
+            out.append(f"{path} {_shown(values)} (recipe {_shown(theirs)})")
+    return out
 
 
 def _explicit_value(config: Any, path: str) -> Any:
@@ -239,6 +296,8 @@ def _apply_run_options(folder_cfg: Any, recipe: Any, explicit: Sequence[str], *,
     recipe_opts = _option_values(recipe)
     updates = {}
     for k in ("mtp_loss_weight", "router_aux_loss_coef", "freeze"):
+        if k == "router_aux_loss_coef" and k not in explicit:
+            continue  # the release's load-balancing coefficient trains unless --model.router_aux_loss_coef is given
         # the option as set (it may reach nothing in the recipe's tree: a weight for the folder's MTP block), else
         # the value the recipe's tree holds
         value = getattr(recipe, k, None) if _has_field(recipe, k) else None
@@ -273,6 +332,20 @@ def _apply_run_options(folder_cfg: Any, recipe: Any, explicit: Sequence[str], *,
     return folder_cfg
 
 
+def _with_release_aux_coef(config: Any, hf: Mapping[str, Any]) -> Any:
+    """A training run from a release trains the MoE load-balancing loss with the release's ``router_aux_loss_coef``
+    (``text_config`` or top level). The family readers (``from_pretrained``: inference) follow transformers, which
+    adds the loss only with ``output_router_logits``, an inference switch the releases ship false; a run's
+    ``--model.router_aux_loss_coef`` still wins (``_apply_run_options``)."""
+    text = hf.get("text_config") or {}
+    coef = text.get("router_aux_loss_coef", hf.get("router_aux_loss_coef"))
+    if not isinstance(coef, (int, float)) or isinstance(coef, bool) or not _has_field(config, "router_aux_loss_coef"):
+        return config
+    if _option_values(config).get("router_aux_loss_coef") is None:
+        return config  # no MoE layer the option reaches (a dense model)
+    return dataclasses.replace(config, router_aux_loss_coef=float(coef))
+
+
 def has_checkpoint(folder: Path) -> bool:
     """Whether ``folder`` holds a complete DCP checkpoint (``step-N/.metadata``) a run resumes from."""
     return folder.is_dir() and any(p.is_file() for p in folder.glob("step-*/.metadata"))
@@ -297,13 +370,15 @@ def resolve_run_model(
     ``config.json`` is copied to ``<dump_folder>/initial_model/`` (``write_copy``: the caller is rank 0), and a
     resumed run (``resuming``) reads that copy: it rebuilds the model it started with even if the folder changed.
     """
-    if not is_hf_folder(folder) or spec.config_from_hf is None:
+    copy = Path(dump_folder) / MODEL_COPY / "config.json" if dump_folder is not None else None
+    resume_copy = bool(folder) and resuming and copy is not None and copy.is_file()
+    if not (is_hf_folder(folder) or resume_copy) or spec.config_from_hf is None:
         return RunModel(config=recipe_model)
     folder = str(folder)
-    current = read_hf_config(folder)
-    copy = Path(dump_folder) / MODEL_COPY / "config.json" if dump_folder is not None else None
+    # resumed: the model the run started with, even if the folder changed or is gone (the checkpoint holds it)
+    current = read_hf_config(folder) if is_hf_folder(folder) else None
     hf, changed = current, False
-    if resuming and copy is not None and copy.is_file():
+    if resume_copy:
         hf = json.loads(copy.read_text())
         changed = hf != current
     spec_for_hf(hf, where=folder, spec_name=spec.name)
@@ -320,7 +395,10 @@ def resolve_run_model(
         config, from_folder = config_from_folder(spec, hf, mtp=use_mtp)
     if spec.fields_not_in_hf is not None:  # what the folder cannot say (a text-only folder's image path)
         config = dataclasses.replace(config, **{k: getattr(recipe_model, k) for k in spec.fields_not_in_hf(hf)})
+    config = _with_release_aux_coef(config, hf)
     config = _apply_run_options(config, recipe_model, explicit, where=f"--checkpoint.initial_load_path {folder}")
+    if current is not None:
+        config = with_folder_form(config, folder)
     if write_copy and copy is not None and not (resuming and copy.is_file()):
         copy.parent.mkdir(parents=True, exist_ok=True)
         tmp = copy.with_suffix(".tmp")
@@ -333,6 +411,27 @@ def resolve_run_model(
         config=config, folder=folder, hf_config=dict(hf), differences=_differences(recipe_model, config),
         folder_changed=changed, mtp_from_folder=from_folder,
     )  # fmt: skip
+
+
+def resumed_folder_config(config: Any) -> Any:
+    """``config`` with ``checkpoint.initial_load_path`` set to the HF folder its run started from, when the command
+    leaves the path out and the dump folder holds a checkpoint of a run started from a folder
+    (``<dump_folder>/initial_model/source.json``): rerunning a run's command without the path resumes the folder's
+    model (``<dump_folder>/initial_model/config.json``), not the recipe's. Otherwise ``config`` unchanged."""
+    ck = getattr(config, "checkpoint", None)
+    if ck is None or ck.initial_load_path or not ck.enable:
+        return config
+    dump = Path(config.dump_folder)
+    source = dump / MODEL_COPY / "source.json"
+    if not source.is_file() or not has_checkpoint(dump / ck.folder):
+        return config
+    started = json.loads(source.read_text()).get("initial_load_path")
+    if not started:
+        return config
+    logger.info(
+        "resuming a run that started from the HF folder %s (%s): its model, not the recipe's", started, source
+    )
+    return dataclasses.replace(config, checkpoint=dataclasses.replace(ck, initial_load_path=started))
 
 
 # ---- from_pretrained / save_pretrained -----------------------------------------------------------
@@ -353,6 +452,7 @@ def build_pretrained(
     hf = read_hf_config(path)
     spec_for_hf(hf, where=str(path), spec_name=spec.name)
     config, from_folder = config_from_folder(spec, hf, mtp=mtp)
+    config = with_folder_form(config, path)
     if from_folder:
         check_mtp_tensors(spec, hf, path, config)
     return build_from_hf(

@@ -56,7 +56,7 @@ def split_output(out: torch.Tensor | ModelOutput) -> tuple[torch.Tensor, torch.T
 
 
 class BaseModel(Module):
-    """A whole model. Subclasses refine ``get_nparams_and_flops`` for their architecture."""
+    """A whole model. Subclasses refine ``training_flops`` for their architecture."""
 
     input_keys: ClassVar[tuple[str, ...]] = ()
     """Batch keys beyond ``input_ids, position_ids, cu_seqlens, max_seqlen`` that ``forward`` takes by name."""
@@ -66,6 +66,14 @@ class BaseModel(Module):
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
         pass
+
+    def host_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """Host facts the forward reads, made once per micro-batch on the HOST from the host batch (before the
+        context-parallel split and the device copy), so no layer reads metadata back from the device: keys to
+        add to the batch, each declared in ``input_keys`` (tensors are copied to the device with the batch; other
+        values stay Python objects). Default: none."""
+        del batch
+        return {}
 
     @classmethod
     def split_inputs_for_cp(
@@ -91,11 +99,20 @@ class BaseModel(Module):
         skip = {id(p) for m in self.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
         return sum(p.numel() for p in self.parameters() if not (exclude_embeddings and id(p) in skip))
 
-    def get_nparams_and_flops(self, seq_len: int) -> tuple[int, float]:
-        """Return ``(total params, training FLOPs per token)`` at sequence length ``seq_len``.
+    def training_flops(self, batch: Mapping[str, Any]) -> float:
+        """Training FLOPs (forward + backward, no recompute) of one micro-batch in the batch contract (host tensors:
+        ``input_ids``, ``cu_seqlens_host`` / ``cu_seqlens``, the model's own inputs), from its real documents:
+        attention causal within each packed document, routed experts at top-k, the input side (vision tower, image
+        projection) for the batch's images. ``models/common/flops.py`` holds the convention; the trainer logs
+        ``flops_per_token`` and TFLOP/s from this every step.
 
-        The generic estimate is ``6 * non-embedding params`` (forward + backward of every matmul);
-        models with sparse layers or special attention override this.
+        Generic: ``6 x`` non-embedding parameters per token; models refine it (``Decoder``).
         """
-        del seq_len
-        return self.count_params(), 6.0 * self.count_params(exclude_embeddings=True)
+        return 6.0 * self.count_params(exclude_embeddings=True) * batch["input_ids"].numel()
+
+    def get_nparams_and_flops(self, seq_len: int) -> tuple[int, float]:
+        """``(total params, training FLOPs per token)`` of a micro-batch that is ONE text document of ``seq_len``
+        tokens (``training_flops`` of it / ``seq_len``): the upper bound of packed text micro-batches of that size.
+        Works on the meta device."""
+        batch = {"input_ids": torch.empty(1, seq_len, dtype=torch.int64, device="meta")}
+        return self.count_params(), self.training_flops(batch) / max(seq_len, 1)

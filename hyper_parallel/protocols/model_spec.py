@@ -89,6 +89,10 @@ class ModelSpec:
     ``from_pretrained`` uses; with it an HF folder given as ``--checkpoint.initial_load_path`` is the run's model."""
     hf_mtp: HFMtp | None = None
     """How the family's HF folders carry an MTP block (None: the family has none)."""
+    fit_to_data: Callable[[Any, tuple[str, ...]], tuple[Any, str | None]] | None = None
+    """``fit_to_data(model_config, data_source_types) -> (model_config, note)``: the model a run's data needs, after
+    the folder/recipe resolution (GlmImageMoe grows its image path for image-token data); ``note``: a line the
+    trainer logs when the model changed, else None."""
     fields_not_in_hf: Callable[[Mapping[str, Any]], tuple[str, ...]] | None = None
     """``fields_not_in_hf(hf_config_dict)``: top-level model fields such a folder does not set (a text-only GLM
     folder: the image path), which a run started from it takes from the recipe."""

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 
 from hyper_parallel.data.direct_token.reading import check_shards
-from hyper_parallel.data.direct_token.writer import write_shards
+from hyper_parallel.data.direct_token.writer import DirectTokenWriter
 from hyper_parallel.data.direct_token.sample import SampleSpec
-from hyper_parallel.data.shard_cli import add_shard_commands, iter_jsonl, print_check_report
+from hyper_parallel.data.shard_cli import add_shard_commands, iter_jsonl_lines, print_check_report, write_records
 
 __all__ = ["main"]
 
@@ -30,7 +30,8 @@ def _iter_input(path: str) -> Iterator[dict[str, Any]]:
             codes = np.load(base + ".vq_codes.npy") if os.path.exists(base + ".vq_codes.npy") else np.zeros(0, np.int64)
             yield {"key": key, "tokens": np.load(base + ".tokens.npy"), "vq_codes": codes, **meta}
         return
-    yield from iter_jsonl(path)
+    for line, record in iter_jsonl_lines(path):
+        yield {**record, "__where__": f"{path} line {line}"}
 
 
 def _model_facts(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -69,15 +70,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"indexed {len(shards)} shard(s)")
     elif args.command == "write":
         try:
-            shards = write_shards(
-                args.output_dir,
-                _iter_input(args.input),
-                placeholder_token_id=args.placeholder_token_id,
-                lang_vocab_size=args.lang_vocab_size,
-                codebook_size=args.codebook_size,
-                samples_per_shard=args.samples_per_shard,
-                prefix=args.prefix,
-            )
+            def write(s: dict[str, Any]) -> None:
+                writer.write(s.pop("tokens"), s.pop("vq_codes", ()), s.pop("image_grids", ()), key=s.pop("key", None), **s)
+
+            # all or nothing: a record that fails (named by its line or key) leaves no shard
+            with DirectTokenWriter(
+                args.output_dir, placeholder_token_id=args.placeholder_token_id, lang_vocab_size=args.lang_vocab_size,
+                codebook_size=args.codebook_size, samples_per_shard=args.samples_per_shard, prefix=args.prefix,
+            ) as writer:  # fmt: skip
+                records = _iter_input(args.input)
+                write_records(write, ((r.pop("__where__", f"{args.input} key {r.get('key')}"), r) for r in records))
+            shards = writer.shards
         except (ValueError, KeyError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -125,7 +125,8 @@ def _where(files: Mapping[str, bytes]) -> str:
     """`` (file 'a.jsonl', row 7)`` for a record tokenised from a raw file, else empty."""
     try:
         origin = json.loads(files["json"])
-        return f" (file {origin['file']!r}, row {origin['row']})"
+        at = f"line {origin['line']}" if origin.get("line") is not None else f"row {origin['row']}"
+        return f" (file {origin['file']!r}, {at})"
     except Exception:  # noqa: BLE001 - no or foreign metadata: nothing to add
         return ""
 
@@ -287,7 +288,7 @@ def tokenize_to_shards(
                 for doc in iter_text_documents(
                     [path], loaded, record_spec, on_bad_sample="skip", bad_counts=counts, on_skip=skipped.append
                 ):
-                    meta = {"file": path, "row": doc.row, "key": doc.key}
+                    meta = {"file": path, "row": doc.row, "key": doc.key, **({"line": doc.line} if doc.line else {})}
                     writer.write(f"{doc.row:010d}", doc.tokens, meta, assistant_mask=doc.assistant_mask)
                     documents += 1
             with open(os.path.join(tmp, "manifest.json"), "w") as f:

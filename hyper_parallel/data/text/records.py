@@ -111,6 +111,8 @@ class TextDocument(NamedTuple):
     """int32 ``[L]``; ``L = len(tokens)`` is the document length."""
     assistant_mask: np.ndarray | None = None
     """Chats: bool ``[L]``, True at the tokens of assistant turns; None for plain text."""
+    line: int | None = None
+    """jsonl files: the record's line (from 1, as an editor numbers them); None for other files."""
 
 
 @dataclass(slots=True)
@@ -184,8 +186,9 @@ def _json_record(obj: Any) -> Mapping[str, Any] | BadSample:
     return _bad_sample("bad_type", f"a record must be a JSON object, got {type(obj).__name__}")
 
 
-def _json_rows(path: str) -> Iterator[tuple[int, Mapping[str, Any] | BadSample]]:
-    """Records of a jsonl file (or of a .json array), with their JSON types intact."""
+def _json_rows(path: str, lines: dict[int, int] | None = None) -> Iterator[tuple[int, Mapping[str, Any] | BadSample]]:
+    """Records of a jsonl file (or of a .json array), with their JSON types intact; ``lines`` gets each jsonl
+    row's line number (from 1, as an editor numbers them: blank lines count there, not as rows)."""
     with open(path, "rb") as f:
         head = f.read(64).lstrip(b"\xef\xbb\xbf \t\r\n")
         f.seek(0)
@@ -199,9 +202,11 @@ def _json_rows(path: str) -> Iterator[tuple[int, Mapping[str, Any] | BadSample]]
                 yield row, _json_record(obj)
             return
         row = 0
-        for line in f:
+        for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue  # blank lines are not rows
+            if lines is not None:
+                lines[row] = line_no
             try:
                 obj = json.loads(line.decode("utf-8-sig" if row == 0 else "utf-8"))
             except (UnicodeDecodeError, ValueError) as e:
@@ -227,11 +232,12 @@ def _datasets_rows(path: str) -> Iterator[tuple[int, Mapping[str, Any] | BadSamp
         yield row, _bad_sample("unreadable_shard", f"the file cannot be read{after} ({type(e).__name__}: {e})")
 
 
-def _file_rows(path: str) -> Iterator[tuple[int, Mapping[str, Any] | BadSample]]:
-    """``(row, record)`` of one file; ``record`` is a ``BadSample`` where it cannot be read."""
+def _file_rows(path: str, lines: dict[int, int] | None = None) -> Iterator[tuple[int, Mapping[str, Any] | BadSample]]:
+    """``(row, record)`` of one file; ``record`` is a ``BadSample`` where it cannot be read; ``lines``: see
+    :func:`_json_rows`."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"text data file {path!r} does not exist")
-    return _json_rows(path) if _builder(path) == "json" else _datasets_rows(path)
+    return _json_rows(path, lines) if _builder(path) == "json" else _datasets_rows(path)
 
 
 def _check_text(record: Mapping[str, Any], spec: TextRecordSpec) -> str:
@@ -308,8 +314,11 @@ def iter_text_documents(
     counts = bad_counts if bad_counts is not None else {}
     eos = [tokenizer.eos_id] if spec.append_eos and tokenizer.eos_id is not None and not tokenizer.adds_eos else []
 
+    lines: dict[int, int] = {}  # row -> line of the current jsonl file: messages name lines as an editor does
+
     def bad(path: str, row: int, key: str | None, e: BadSample) -> None:
-        where = f"file {path!r}, row {row}" + (f" (key {key!r})" if key is not None and key != str(row) else "")
+        at = f"line {lines[row]}" if row in lines else f"row {row}"
+        where = f"file {path!r}, {at}" + (f" (key {key!r})" if key is not None and key != str(row) else "")
         message = f"bad text sample in {where}: {e.detail} [{e.kind}]"
         if on_bad_sample == "error":
             raise BadSampleError(message + ". Fix the data, or set --data.on_bad_sample skip to drop and count such records.")
@@ -337,7 +346,7 @@ def iter_text_documents(
             if not ids:
                 bad(path, row, key, _bad_sample("empty", "it encodes to no tokens"))
                 continue
-            yield TextDocument(path, row, key, np.asarray(ids + eos, dtype=np.int32))
+            yield TextDocument(path, row, key, np.asarray(ids + eos, dtype=np.int32), line=lines.get(row))
 
     def chat_document(
         path: str, row: int, key: str, messages: list[dict[str, Any]], options: dict[str, Any]
@@ -353,11 +362,12 @@ def iter_text_documents(
         if not encoded.ids:  # e.g. a chat template that renders nothing for these messages
             bad(path, row, key, _bad_sample("empty", "it encodes to no tokens"))
             return None
-        return TextDocument(path, row, key, np.asarray(encoded.ids, dtype=np.int32), encoded.assistant_mask)
+        return TextDocument(path, row, key, np.asarray(encoded.ids, dtype=np.int32), encoded.assistant_mask, lines.get(row))
 
     for path in files:
         pending: list[tuple[int, str, str]] = []
-        for row, record in _file_rows(path):
+        lines.clear()
+        for row, record in _file_rows(path, lines):
             if isinstance(record, BadSample):
                 bad(path, row, None, record)
                 continue

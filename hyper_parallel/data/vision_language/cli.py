@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from hyper_parallel.data.shard_cli import add_shard_commands, iter_jsonl, print_check_report
+from hyper_parallel.data.shard_cli import add_shard_commands, iter_jsonl_lines, print_check_report, write_records
 from hyper_parallel.data.vision_language.preprocess import ImageProcessor
 from hyper_parallel.data.vision_language.sample import VisionLanguageEncoder, make_encoder
 from hyper_parallel.data.vision_language.video import VideoProcessor
@@ -16,9 +16,9 @@ from hyper_parallel.data.vision_language.video import VideoProcessor
 __all__ = ["main"]
 
 
-def _iter_input(path: str, image_root: str | None) -> Iterator[dict[str, Any]]:
-    """Records of a .jsonl file; ``images`` and ``videos`` are file paths (relative to ``image_root`` or the
-    file's folder)."""
+def _iter_input(path: str, image_root: str | None) -> Iterator[tuple[str, Any]]:
+    """``(where, load)`` per record of a .jsonl file: ``where`` names the file and line, ``load()`` returns the
+    record with its ``images`` and ``videos`` read (file paths relative to ``image_root`` or the file's folder)."""
     root = image_root or os.path.dirname(os.path.abspath(path))
 
     def read(paths: list[str]) -> list[bytes]:
@@ -28,9 +28,15 @@ def _iter_input(path: str, image_root: str | None) -> Iterator[dict[str, Any]]:
                 out.append(f.read())
         return out
 
-    for record in iter_jsonl(path):
-        images, videos = read(record.pop("images", [])), read(record.pop("videos", []))
-        yield {**record, "images": images, **({"videos": videos} if videos else {})}
+    def loader(record: dict[str, Any]) -> Any:
+        def load() -> dict[str, Any]:
+            images, videos = read(record.pop("images", [])), read(record.pop("videos", []))
+            return {**record, "images": images, **({"videos": videos} if videos else {})}
+
+        return load
+
+    for line, record in iter_jsonl_lines(path):
+        yield f"{path} line {line}", loader(record)
 
 
 def _model_facts(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -110,16 +116,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "write":
-            from hyper_parallel.data.vision_language.writer import TOY_TOKENIZER, write_shards
+            from hyper_parallel.data.vision_language.writer import TOY_TOKENIZER, VisionLanguageWriter
 
-            shards = write_shards(
-                args.output_dir,
-                _iter_input(args.input, args.image_root),
-                encoder=_encoder(args),
-                samples_per_shard=args.samples_per_shard,
-                prefix=args.prefix,
+            def write(load: Any) -> None:
+                s = load()
+                writer.write(s.pop("images", ()), videos=s.pop("videos", ()), text=s.pop("text", None),
+                             messages=s.pop("messages", None), key=s.pop("key", None), **s)  # fmt: skip
+
+            # all or nothing: a record that fails (named by its line) leaves no shard and no vl_dataset.json
+            with VisionLanguageWriter(
+                args.output_dir, encoder=_encoder(args), samples_per_shard=args.samples_per_shard, prefix=args.prefix,
                 tokenizer=args.tokenizer or TOY_TOKENIZER,  # recorded in vl_dataset.json: the loader uses it
-            )
+            ) as writer:  # fmt: skip
+                write_records(write, _iter_input(args.input, args.image_root))
+            shards = writer.shards
             print(f"wrote {len(shards)} shard(s) to {args.output_dir}")
         elif args.command == "toy":
             from hyper_parallel.data.vision_language.toy import ToyVisionLanguageSpec, write_toy_vision_language

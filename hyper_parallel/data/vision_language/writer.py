@@ -53,8 +53,10 @@ def toy_tokenizer_folder(cache_dir: str = "~/.cache/hyper_parallel") -> str:
 def write_dataset_tokenizer(out_dir: str, tokenizer: str, fingerprint: str) -> None:
     """Record which tokenizer (an HF folder, or :data:`TOY_TOKENIZER`) the shards in ``out_dir`` were written with."""
     folder = tokenizer if tokenizer == TOY_TOKENIZER else os.path.abspath(os.path.expanduser(tokenizer))
-    with open(os.path.join(out_dir, DATASET_FILE), "w", encoding="utf-8") as f:
+    path = os.path.join(out_dir, DATASET_FILE)
+    with open(path + ".partial", "w", encoding="utf-8") as f:
         json.dump({"tokenizer": folder, "tokenizer_fingerprint": fingerprint}, f, indent=2)
+    os.replace(path + ".partial", path)
 
 
 def read_dataset_tokenizer(shards: Sequence[str]) -> tuple[str, dict[str, str]] | None:
@@ -150,13 +152,17 @@ class VisionLanguageWriter(ShardWriter):
     ) -> None:
         super().__init__(out_dir, samples_per_shard=samples_per_shard, prefix=prefix)
         self.encoder, self.image_format, self.validate = encoder, image_format, validate
-        # which tokenizer the shards are for (the one named, else the encoder's): the loader checks it
-        if tokenizer is not None or encoder is not None:
+        # which tokenizer the shards are for (the one named, else the encoder's): the loader checks it. Recorded
+        # when the write completes (_commit), so a failed write leaves no vl_dataset.json either.
+        self._tokenizer = tokenizer if tokenizer is not None else encoder.tokenizer.folder if encoder is not None else None
+
+    def _commit(self) -> None:
+        if self._tokenizer is not None:
             from hyper_parallel.data.tokenizer import tokenizer_fingerprint
 
-            folder = tokenizer if tokenizer is not None else encoder.tokenizer.folder
+            folder = self._tokenizer
             resolved = toy_tokenizer_folder() if folder == TOY_TOKENIZER else folder
-            write_dataset_tokenizer(out_dir, folder, tokenizer_fingerprint(os.path.expanduser(resolved)))
+            write_dataset_tokenizer(self.out_dir, folder, tokenizer_fingerprint(os.path.expanduser(resolved)))
 
     def _index_spec(self) -> IndexSpec | None:
         return self.encoder.index_spec() if self.encoder is not None else None

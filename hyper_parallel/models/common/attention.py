@@ -29,14 +29,15 @@ Determinism: under ``torch.use_deterministic_algorithms(True)`` the flash backwa
 deterministic variant (``flash_attn``: ``deterministic=True``; torch's varlen/SDPA flash backward read the
 same global flag themselves).
 
-torch.compile: the per-document SDPA loop runs outside the graph (``torch.compiler.disable``): its
-Python loop depends on the boundaries, which would otherwise be baked into the graph and recompile on
-every new packing. The varlen kernels are custom ops (torch's ``varlen_attn``; ``flash_attn`` >= 2.6) and
+torch.compile: the per-document SDPA loop is the custom op ``hyper_parallel::sdpa_packed`` (``packed_sdpa.py``),
+fed the boundaries as a host int tensor (``AttentionMeta.cu_seqlens_cpu``): traced, its Python loop would bake
+the boundaries into the graph and recompile on every new packing. The varlen kernels are custom ops (torch's ``varlen_attn``; ``flash_attn`` >= 2.6) and
 stay in the graph; ``cu_seqlens`` and ``max_seqlen`` turn dynamic after their first change.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -44,6 +45,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from hyper_parallel import torch_features
+from hyper_parallel.models.common.packed_sdpa import sdpa_documents, sdpa_packed
 from hyper_parallel.protocols.module import Module
 
 try:  # optional GPU kernel; the package never requires it
@@ -80,8 +83,29 @@ class AttentionMeta:
     """bool ``[B, T]`` (this rank's tokens, as ``position_ids``): True at document tokens, False on the padding run
     (the batch's ``token_mask``). Attention needs none (the padding is its own segment); the decoder layers hand it
     to their MoE, whose router statistics leave padding out. None: every position counts."""
+    cu_seqlens_cpu: torch.Tensor | None = None
+    """int32 host tensor of ``cu_seqlens_host`` (made from the host ints in ``__post_init__``, never copied from
+    the device): what opaque ops take under ``torch.compile`` (``packed_sdpa.sdpa_packed``), so a compiled
+    block's graph sees a dynamic length instead of guarding on a Python list (a recompile per packing)."""
     _checked: tuple[int, int] | None = field(default=None, repr=False, compare=False)
     """``(B, T)`` the boundaries were last validated for (validation runs once per meta, not per layer)."""
+    _cp_plan: dict | None = field(default=None, repr=False, compare=False)
+    """Context-parallel K/V all-gather plans of this micro-batch (host blocks, device key index), made by the
+    first layer and reused by the others (``allgather_attention``)."""
+
+    def __post_init__(self) -> None:
+        if self.cu_seqlens_cpu is None and self.cu_seqlens is not None and self.cu_seqlens_host is not None:
+            self.cu_seqlens_cpu = torch.tensor(list(self.cu_seqlens_host), dtype=torch.int32)
+            if "torch._dynamo" in sys.modules:  # something compiles: its length changes every step, never
+                torch._dynamo.maybe_mark_dynamic(self.cu_seqlens_cpu, 0)  # specialise a graph on it
+                torch._dynamo.maybe_mark_dynamic(self.cu_seqlens, 0)  # nor on the device copy (S1)
+
+    def host_bounds(self) -> torch.Tensor:
+        """``cu_seqlens_cpu``, or (a meta built without host boundaries) ``cu_seqlens`` copied to the host (a sync:
+        the fallback of callers that did not pass ``cu_seqlens_host``)."""
+        if self.cu_seqlens_cpu is not None:
+            return self.cu_seqlens_cpu
+        return self.cu_seqlens.to("cpu")
 
     @classmethod
     def from_position_ids(cls, position_ids_BT: torch.Tensor) -> AttentionMeta:
@@ -269,7 +293,7 @@ class VarlenAttention(Module):
             raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
         kernel = self.kernel(q)
         if cp is not None:
-            return allgather_attention(q, k, v, scale=scale, meta=meta, cp=cp, flash=kernel == "flash")
+            return allgather_attention(q, k, v, scale=scale, meta=meta, cp=cp, kernel=kernel)
         # Only `cu_seqlens` is read here: under torch.compile this frame is traced, and reading the host
         # list would guard on its length (a recompile per document count). The kernels read it outside.
         packed = meta is not None and meta.cu_seqlens is not None
@@ -279,6 +303,9 @@ class VarlenAttention(Module):
             return _varlen_kernel(kernel, q, k, v, scale, meta if packed else None)
         if not packed:
             return _sdpa(q, k, v, scale)
+        if torch.compiler.is_compiling():  # an opaque op: the graph stays whole and unspecialised on the packing
+            cu = meta.cu_seqlens_cpu if meta.cu_seqlens_cpu is not None else meta.cu_seqlens
+            return sdpa_packed(q, k, v, cu, scale)
         return _sdpa_packed(q, k, v, scale, meta)
 
 
@@ -296,29 +323,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> to
 @torch.compiler.disable
 def _sdpa_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, meta: AttentionMeta) -> torch.Tensor:
     """One causal SDPA call per document on 4-D ``[1, H, L, d]`` views (the fused kernels' layout)."""
-    B, H, T, dqk = q.shape
-    cu = meta.boundaries(B, T)
-    if len(cu) == B + 1:  # one document per row: plain batched causal attention
-        # contiguous like the concatenation below: under torch.compile the code after this call is
-        # specialised on the output's strides, so both branches return the same layout
-        return _sdpa(q, k, v, scale).contiguous()
-    dv = v.shape[-1]
-    if dv < dqk:  # pad once for all documents (see _sdpa)
-        v = F.pad(v, (0, dqk - dv))
-    gqa = k.shape[1] != H
-    outs = []
-    for s, e in zip(cu[:-1], cu[1:]):
-        b, lo = divmod(s, T)
-        hi = e - b * T  # a document never crosses a row (checked), so [lo, hi) lies in row b
-        out = F.scaled_dot_product_attention(
-            q[b : b + 1, :, lo:hi], k[b : b + 1, :, lo:hi], v[b : b + 1, :, lo:hi],
-            is_causal=True, scale=scale, enable_gqa=gqa,
-        )  # fmt: skip
-        outs.append(out.transpose(1, 2))  # [1, L, H, d]
-    # Token-major concatenation [1, B*T, H, d] -> [B, T, H, d] (rows are consecutive in the stream): the
-    # one copy, which the caller's reshape(B, T, H * dv) would have made anyway.
-    out = torch.cat(outs, dim=1).view(B, T, H, dqk)
-    return out if dv == dqk else out[..., :dv].contiguous()
+    return sdpa_documents(q, k, v, scale, meta.boundaries(q.shape[0], q.shape[2]))
 
 
 def _varlen_kernel(
@@ -351,9 +356,13 @@ def _varlen_kernel(
             softmax_scale=scale, causal=True, deterministic=deterministic,
         )  # fmt: skip
     else:
-        out = varlen_attn(
-            q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), enable_gqa=k.shape[1] != H
-        )
+        gqa = {"enable_gqa": k.shape[1] != H}
+        if gqa["enable_gqa"] and not torch_features.has("varlen_attn.enable_gqa"):  # torch 2.11: no grouped heads
+            k, v = (x.repeat_interleave(H // x.shape[1], dim=1, output_size=H) for x in (k, v))
+            gqa = {}
+        elif not gqa["enable_gqa"]:
+            gqa = {}
+        out = varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), **gqa)
     return out.view(B, T, H, dqk)[..., :dv]
 
 
@@ -365,7 +374,7 @@ def allgather_attention(
     scale: float,
     meta: AttentionMeta | None,
     cp: CPShard,
-    flash: bool = False,
+    kernel: Literal["flash", "varlen", "sdpa"] = "sdpa",
 ) -> torch.Tensor:
     """Context-parallel attention without splitting heads (Llama 3's all-gather form).
 
@@ -375,75 +384,234 @@ def allgather_attention(
     documents up to itself: a causal block aligned bottom-right (a piece that starts inside a document sees
     that document's earlier pieces in full). The gather's backward sums every rank's K/V gradient into
     the owner's (a reduce-scatter), so gradients are exact. Returns ``[B, t, H, dv]``.
+
+    The blocks are planned on the host from the boundaries (Python ints, ``_cp_blocks``), and no ``[Lq, Lk]``
+    tensor (mask or scores) exists on any kernel:
+
+    - ``flash`` / ``varlen``: ONE varlen call over all blocks (queries and their key spans as streams with
+      separate ``cu_seqlens_q`` / ``cu_seqlens_k``); flash's causal mask is aligned bottom-right when a block
+      has more keys than queries, which is exactly the block's mask. The key index and boundaries are copied
+      to the device once per micro-batch (kept on ``meta``), not per layer.
+    - ``sdpa``: one call per block. A block starting a document is a square causal SDPA; one starting inside
+      a document is split into its key prefix (every query sees it: no mask) and its diagonal square (causal),
+      merged by their log-sum-exps (``_bottom_right_causal``, the ring-attention merge: on CPU through the
+      fused flash kernel's ``(out, lse)`` and its backward; on CUDA through torch's lower-right
+      ``CausalBias``, which runs the fused kernels without a mask).
+
+    Flex attention would do the same with a block mask, but eager flex materialises the scores on CPU.
     """
     B, H, t, dqk = q.shape
     dv = v.shape[-1]
     T = t * cp.size
     kv = torch.cat([k, v], dim=-1)  # one collective for both
     gathered = cp.all_gather(kv)  # [size, B, Hk, t, dqk + dv], rank-major
-    kv = gathered.permute(1, 2, 0, 3, 4).reshape(B, k.shape[1], T, dqk + dv)
-    kv = kv.index_select(2, cp.natural_index(t, q.device))  # natural order
+    kv = _natural_order(gathered, cp, t)  # [B, Hk, T, dqk + dv]
     k_all, v_all = kv.split([dqk, dv], dim=-1)
-    cu = meta.boundaries(B, T) if meta is not None and meta.cu_seqlens is not None else list(range(0, B * T + 1, T))
-    # per (row, local piece): the documents it meets, as (query [lo, hi), key start) in row coordinates
-    blocks: list[tuple[int, int, int, int, int]] = []  # (row, local query offset, q_lo, q_hi, k_lo)
+    if kernel != "sdpa":
+        return _allgather_varlen(kernel, q, k_all, v_all, scale, t, meta, cp)
+    return _allgather_sdpa(q, k_all, v_all, scale, t, meta, cp)
+
+
+def _natural_order(gathered: torch.Tensor, cp: CPShard, t: int) -> torch.Tensor:
+    """``[size, B, Hk, t, d]`` (every rank's local pieces, rank-major) -> ``[B, Hk, T, d]`` in row order: one
+    concatenation of piece slices whose places are host ints (no index tensor to copy to the device)."""
+    n = cp.piece_len(t)
+    where = {p: (r, j) for r in range(cp.size) for j, p in enumerate(cp.pieces_of(r))}
+    pieces = [gathered[where[p][0], :, :, where[p][1] * n : (where[p][1] + 1) * n] for p in range(cp.n_pieces)]
+    return torch.cat(pieces, dim=2)
+
+
+_Block = tuple[int, int, int, int, int]
+"""``(row, local query offset, q_lo, q_hi, k_lo)``: queries ``[q_lo, q_hi)`` of a row (row coordinates), at
+``local query offset`` in this rank's tokens of the row, attend to keys ``[k_lo, q_hi)`` of their document."""
+
+
+def _cp_blocks(meta: AttentionMeta | None, cp: CPShard, B: int, t: int) -> tuple[_Block, ...]:
+    """Every (row, local piece, document) block of this rank, in local token order (host ints only)."""
+    T = t * cp.size
+    key = ("blocks", cp.rank, cp.size, cp.balanced, B, t)
+    cached = _meta_cache(meta, key)
+    if cached is not None:
+        return cached
+    packed = meta is not None and meta.cu_seqlens is not None
+    cu = meta.boundaries(B, T) if packed else list(range(0, B * T + 1, T))
+    blocks: list[_Block] = []
     at = 0
     for plo, phi in cp.ranges(t):
         for b in range(B):
             row = b * T  # documents never cross a row (checked by meta.boundaries)
-            docs = [(s - row, e - row) for s, e in zip(cu[:-1], cu[1:]) if e > row + plo and s < row + phi]
-            for ds, de in docs:
-                lo, hi = max(ds, plo), min(de, phi)
-                blocks.append((b, at + lo - plo, lo, hi, ds))
+            for s, e in zip(cu[:-1], cu[1:]):
+                if e > row + plo and s < row + phi:
+                    ds, de = s - row, e - row
+                    lo, hi = max(ds, plo), min(de, phi)
+                    blocks.append((b, at + lo - plo, lo, hi, ds))
         at += phi - plo
-    if flash:
-        return _allgather_flash(q, k_all, v_all, scale, blocks, t)
+    blocks.sort(key=lambda x: (x[0], x[1]))  # local token order: block outputs concatenate into [B, t]
+    covered = sum(hi - lo for _, _, lo, hi, _ in blocks)
+    if covered != B * t:
+        raise RuntimeError(f"context-parallel attention blocks cover {covered} of {B * t} local tokens")
+    out = tuple(blocks)
+    _meta_store(meta, key, out)
+    return out
+
+
+def _meta_cache(meta: AttentionMeta | None, key: tuple):
+    """A value planned for this micro-batch by an earlier layer (the meta lives for one forward), or None."""
+    if meta is None or meta._cp_plan is None:
+        return None
+    return meta._cp_plan.get(key)
+
+
+def _meta_store(meta: AttentionMeta | None, key: tuple, value) -> None:
+    if meta is not None:
+        if meta._cp_plan is None:
+            meta._cp_plan = {}
+        meta._cp_plan[key] = value
+
+
+@torch.compiler.disable
+def _allgather_sdpa(
+    q: torch.Tensor,
+    k_all: torch.Tensor,
+    v_all: torch.Tensor,
+    scale: float,
+    t: int,
+    meta: AttentionMeta | None,
+    cp: CPShard,
+) -> torch.Tensor:
+    """One fused SDPA call per block on 4-D ``[1, H, L, d]`` views (outside torch.compile: the loop follows
+    the boundaries, which would recompile on every packing)."""
+    B, H, _, dqk = q.shape
+    blocks = _cp_blocks(meta, cp, B, t)
+    dv = v_all.shape[-1]
+    d = max(dqk, dv)
+    # the fused kernels take one head dim for q, k and v: zero-pad the smaller (exact: zero channels add
+    # nothing to the scores, and padded output channels are dropped)
+    if dqk < d:
+        q, k_all = F.pad(q, (0, d - dqk)), F.pad(k_all, (0, d - dqk))
+    if dv < d:
+        v_all = F.pad(v_all, (0, d - dv))
     gqa = k_all.shape[1] != H
     outs = []
     for b, off, lo, hi, ds in blocks:
         qb = q[b : b + 1, :, off : off + hi - lo]
         kb, vb = k_all[b : b + 1, :, ds:hi], v_all[b : b + 1, :, ds:hi]
-        if lo == ds:
+        if lo == ds:  # the block starts its document: a square causal block
             o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:  # queries start inside the document: causal aligned bottom-right
-            mask = torch.ones(hi - lo, hi - ds, dtype=torch.bool, device=q.device).tril(lo - ds)
-            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        outs.append((b, off, o[0].transpose(0, 1)))  # [L, H, dv]
-    return _place(outs, B, t, H, dv)
+        else:
+            o = _bottom_right_causal(qb, kb, vb, scale)
+        outs.append(o[0].transpose(0, 1))  # [L, H, d]
+    out = torch.cat(outs, dim=0).view(B, t, H, d)  # blocks are in local token order
+    return out if dv == d else out[..., :dv]
 
 
-def _place(outs: list, B: int, t: int, H: int, dv: int) -> torch.Tensor:
-    """Blocks ``(row, offset, [L, H, dv])`` covering every local token -> ``[B, t, H, dv]`` (one cat)."""
-    order = sorted(range(len(outs)), key=lambda i: (outs[i][0], outs[i][1]))
-    flat = torch.cat([outs[i][2] for i in order], dim=0)
-    if flat.shape[0] != B * t:
-        raise RuntimeError(f"context-parallel attention covered {flat.shape[0]} of {B * t} local tokens")
-    return flat.view(B, t, H, dv)
+def _bottom_right_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q [1, H, L, d]`` against ``k``/``v`` ``[1, Hk, P + L, d]`` with the causal mask aligned bottom-right
+    (query ``i`` sees keys ``0 .. P + i``) -> ``[1, H, L, d]``, without materialising the mask."""
+    if q.device.type == "cpu":
+        return _BottomRightCausalCPU.apply(q, k, v, scale)
+    from torch.nn.attention.bias import causal_lower_right
+
+    if k.shape[1] != q.shape[1]:  # the lower-right bias dispatch takes equal head counts
+        rep = q.shape[1] // k.shape[1]
+        k, v = (x.repeat_interleave(rep, dim=1, output_size=q.shape[1]) for x in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale)
 
 
-def _allgather_flash(
-    q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, scale: float, blocks: list, t: int
+class _BottomRightCausalCPU(torch.autograd.Function):
+    """Bottom-right causal attention as two fused CPU flash calls merged by log-sum-exp.
+
+    The key prefix ``[0, P)`` (seen by every query: no mask) and the diagonal square ``[P, P + L)`` (causal,
+    top-left = bottom-right for a square) each return ``(out_i, lse_i)``; the merged ``lse`` is their
+    ``logaddexp`` and ``out`` their ``exp(lse_i - lse)``-weighted sum. The backward runs the fused backward of
+    each part with the MERGED ``out`` and ``lse`` (its softmax probabilities ``exp(s - lse)`` and row term
+    ``sum(dout * out)`` are those of the whole block), which is exact, as in ring attention.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:  # noqa: D102
+        P = k.shape[2] - q.shape[2]
+        fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        o1, l1 = fwd(q, k[:, :, :P], v[:, :, :P], 0.0, False, scale=scale)
+        o2, l2 = fwd(q, k[:, :, P:], v[:, :, P:], 0.0, True, scale=scale)
+        lse = torch.logaddexp(l1, l2)  # fp32 [1, H, L]
+        out = (o1 * (l1 - lse).exp().unsqueeze(-1) + o2 * (l2 - lse).exp().unsqueeze(-1)).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):  # noqa: D102
+        q, k, v, out, lse = ctx.saved_tensors
+        P = k.shape[2] - q.shape[2]
+        bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        dout = dout.contiguous()
+        dq1, dk1, dv1 = bwd(dout, q, k[:, :, :P], v[:, :, :P], out, lse, 0.0, False, scale=ctx.scale)
+        dq2, dk2, dv2 = bwd(dout, q, k[:, :, P:], v[:, :, P:], out, lse, 0.0, True, scale=ctx.scale)
+        return dq1 + dq2, torch.cat([dk1, dk2], dim=2), torch.cat([dv1, dv2], dim=2), None
+
+
+@torch.compiler.disable
+def _varlen_plan(
+    B: int, t: int, T: int, device: torch.device, meta: AttentionMeta | None, cp: CPShard
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """``(key index [sum of key spans], cu_q, cu_k, max_q, max_k)`` of the blocks' varlen streams, made on the
+    host and copied to the device once per micro-batch (the meta keeps it for the later layers)."""
+    key = ("varlen", cp.rank, cp.size, cp.balanced, B, t, str(device))
+    cached = _meta_cache(meta, key)
+    if cached is not None:
+        return cached
+    blocks = _cp_blocks(meta, cp, B, t)
+    q_lens = [hi - lo for _, _, lo, hi, _ in blocks]
+    k_lens = [hi - ds for _, _, _, hi, ds in blocks]
+    k_idx = torch.cat([torch.arange(b * T + ds, b * T + hi) for b, _, _, hi, ds in blocks])
+    cu = torch.zeros(2, len(blocks) + 1, dtype=torch.int64)
+    cu[0, 1:] = torch.tensor(q_lens).cumsum(0)
+    cu[1, 1:] = torch.tensor(k_lens).cumsum(0)
+    host = torch.cat([k_idx, cu.flatten()])
+    if device.type == "cuda":
+        host = host.pin_memory()
+    dev = host.to(device, non_blocking=True)  # the one host->device copy of this micro-batch's plan
+    n = k_idx.numel()
+    cu_dev = dev[n:].view(2, -1).to(torch.int32)
+    plan = (dev[:n], cu_dev[0], cu_dev[1], max(q_lens), max(k_lens))
+    _meta_store(meta, key, plan)
+    return plan
+
+
+def _allgather_varlen(
+    kernel: str,
+    q: torch.Tensor,
+    k_all: torch.Tensor,
+    v_all: torch.Tensor,
+    scale: float,
+    t: int,
+    meta: AttentionMeta | None,
+    cp: CPShard,
 ) -> torch.Tensor:
-    """The blocks of ``allgather_attention`` as ONE ``flash_attn_varlen_func`` call: queries and their key
-    spans packed as varlen streams; the kernel's causal mask is aligned bottom-right when a block has more
-    keys than queries (flash-attn >= 2.1), which is exactly the block's mask."""
+    """The blocks of ``allgather_attention`` as ONE ``flash_attn_varlen_func`` / ``varlen_attn`` call."""
     B, H, _, dqk = q.shape
     dv = v_all.shape[-1]
-    order = sorted(blocks, key=lambda x: (x[0], x[1]))
     T = k_all.shape[2]
-    dev = q.device
-    q_idx = torch.cat([torch.arange(b * t + off, b * t + off + hi - lo, device=dev) for b, off, lo, hi, ds in order])
-    k_idx = torch.cat([torch.arange(b * T + ds, b * T + hi, device=dev) for b, off, lo, hi, ds in order])
-    cu_q = torch.tensor([0] + [hi - lo for _, _, lo, hi, _ in order], device=dev).cumsum(0).to(torch.int32)
-    cu_k = torch.tensor([0] + [hi - ds for _, _, lo, hi, ds in order], device=dev).cumsum(0).to(torch.int32)
-    qf = q.transpose(1, 2).reshape(B * t, H, dqk).index_select(0, q_idx)
+    if dv > dqk:
+        raise ValueError(f"{kernel} backend needs v head dim ({dv}) <= qk head dim ({dqk}); use backend='sdpa'")
+    k_idx, cu_q, cu_k, max_q, max_k = _varlen_plan(B, t, T, q.device, meta, cp)
+    # blocks are in local token order, so the query stream is the local tokens as they are
+    qf = q.transpose(1, 2).reshape(B * t, H, dqk)
     kf = k_all.transpose(1, 2).reshape(B * T, -1, dqk).index_select(0, k_idx)
     vf = v_all.transpose(1, 2).reshape(B * T, -1, dv).index_select(0, k_idx)
     if dv < dqk:
         vf = F.pad(vf, (0, dqk - dv))
-    out = flash_attn_varlen_func(
-        qf, kf, vf, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-        max_seqlen_q=max(hi - lo for _, _, lo, hi, _ in order), max_seqlen_k=max(hi - ds for _, _, _, hi, ds in order),
-        softmax_scale=scale, causal=True, deterministic=torch.are_deterministic_algorithms_enabled(),
-    )  # fmt: skip
+    if kernel == "flash":
+        out = flash_attn_varlen_func(
+            qf, kf, vf, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+            softmax_scale=scale, causal=True, deterministic=torch.are_deterministic_algorithms_enabled(),
+        )  # fmt: skip
+    else:  # torch's varlen_attn: window (-1, 0) is causal, aligned bottom-right like flash's
+        gqa = kf.shape[1] != H
+        if gqa and not torch_features.has("varlen_attn.enable_gqa"):  # torch 2.11: no grouped heads
+            kf, vf = (x.repeat_interleave(H // x.shape[1], dim=1, output_size=H) for x in (kf, vf))
+            gqa = False
+        extra = {"enable_gqa": True} if gqa else {}
+        out = varlen_attn(qf, kf, vf, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), **extra)
     return out[..., :dv].reshape(B, t, H, dv)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fnmatch
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Annotated, Any, ClassVar
 
@@ -53,6 +53,7 @@ from hyper_parallel.distributed.pipeline_plan import StageCosts, StageSpan
 from hyper_parallel.models.common.attention import AttentionMeta
 from hyper_parallel.models.common.block import TransformerBlock, combine_aux_losses
 from hyper_parallel.models.common.embedding import Embedding
+from hyper_parallel.models.common.flops import document_lengths, matmul_flops
 from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.moe import LoadBalanceStats, MoE
 from hyper_parallel.models.common.mtp import MTP
@@ -632,20 +633,25 @@ class Decoder(BaseModel):
                 aux_V = aux_V + torch.cat([aux_V.new_zeros(2 * num_experts + 1), aux.reshape(1).float()])
         return aux_V
 
-    def get_nparams_and_flops(self, seq_len: int) -> tuple[int, float]:
-        """``(total params, training FLOPs per token)``: ``6 * active non-embedding params + attention``.
+    def training_flops(self, batch: Mapping[str, Any]) -> float:
+        """Training FLOPs of one micro-batch (``models/common/flops.py``): the text model's matmuls over every position
+        (layers with routed experts at top-k, final norm, head; the MTP block and the head once more when the model
+        has one), each mixer over the batch's documents (``flops(doc_lens)``: attention causal within each
+        document), plus ``input_flops`` (a subclass's image path). The embedding lookup is free."""
+        tokens = batch["input_ids"].numel()
+        lens = document_lengths(batch)
+        text = [*self.layers, self.norm, self.lm_head]
+        if self.mtp is not None:  # the MTP block, then the shared head a second time
+            text += [self.mtp, self.lm_head]
+        total = sum(_matmul_flops_top_k(m, tokens) for m in text)
+        total += sum(layer.self_attn.flops(lens) for layer in self.all_layers())
+        return total + self.input_flops(batch)
 
-        Active = every parameter except the embedding table, with each MoE layer's routed experts
-        counted at ``top_k / num_experts`` (a token visits top_k of them). The attention term is
-        torchtitan's ``12 * H * d * T`` per layer (no causal or packing discount).
-        """
-        total = sum(p.numel() for p in self.parameters())  # a tied table counts once
-        # The lookup is free, the head's matmul is not: a tied table still costs its head FLOPs.
-        active = self.active_params() - (0 if self.config.tie_word_embeddings else self.embed_tokens.weight.numel())
-        attention = sum(layer.self_attn.flops_per_token(seq_len) for layer in self.all_layers())
-        if self.mtp is not None:  # the shared head runs a second time, on the MTP block's output
-            active += self.lm_head.weight.numel()
-        return total, 6.0 * active + attention
+    def input_flops(self, batch: Mapping[str, Any]) -> float:
+        """Training FLOPs of the input side beyond the token embedding (a vision tower, an image projection) for one
+        micro-batch; 0 for a text model."""
+        del batch
+        return 0.0
 
     def all_layers(self) -> list[TransformerBlock]:
         """The decoder layers and the MTP block's layers (every FSDP / activation-checkpointing unit)."""
@@ -659,3 +665,12 @@ class Decoder(BaseModel):
                 routed = sum(p.numel() for p in layer.mlp.experts.parameters())
                 active -= routed * (1.0 - layer.mlp.config.gate.top_k / layer.mlp.config.num_experts)
         return int(active)
+
+
+def _matmul_flops_top_k(module: torch.nn.Module, tokens: int) -> float:
+    """``matmul_flops`` of ``module`` with every MoE in it counted at top-k (``MoE.flops``)."""
+    total = matmul_flops(module, tokens)
+    for sub in module.modules():
+        if isinstance(sub, MoE):
+            total += sub.flops(tokens) - matmul_flops(sub, tokens)
+    return total

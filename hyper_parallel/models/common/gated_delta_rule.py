@@ -24,11 +24,19 @@ document alone", with no Python loop over tokens.
 Implementations (``GatedDeltaRule.Config.backend``): ours above (any device, fp32 inside), or on CUDA with
 fp16/bf16 inputs the ``causal-conv1d`` and ``flash-linear-attention`` kernels (the optional ``gpu`` extra;
 ``seq_idx`` / ``cu_seqlens`` keep packing exact there too). ``auto`` takes the kernels when they can run.
+
+No device-to-host sync on any path: the bounds come as host ints (``AttentionMeta.boundaries``, from the batch's
+``cu_seqlens_host``) plus the same bounds already on the device (``AttentionMeta.cu_seqlens``); every index
+tensor (chunk layout, conv boundary rows, ``seq_idx``) is computed from them by device ops with host-known sizes,
+once per micro-batch (``deltanet_plan``). Under ``torch.compile`` the core is one custom op,
+``hyper_parallel::gated_delta_rule`` (bounds as tensors: a new packing reuses the graph).
 """
 
 from __future__ import annotations
 
 import bisect
+import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -37,6 +45,14 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from hyper_parallel.models.common.attention import AttentionMeta, CPShard, check_boundaries
+from hyper_parallel.models.common.deltanet_plan import (
+    ConvPlan,
+    cached,
+    chunk_plan,
+    conv_plan,
+    device_bounds,
+    host_index,
+)
 from hyper_parallel.protocols.module import Module
 
 try:  # optional CUDA kernels (the ``gpu`` extra); the torch path below never needs them
@@ -59,7 +75,10 @@ __all__ = [
 
 
 def document_bounds(cu_seqlens: torch.Tensor | list[int] | None, batch: int, seqlen: int) -> list[int]:
-    """Document starts/ends over the flat ``B*T`` stream as a host list (rows when ``cu_seqlens`` is None)."""
+    """Document starts/ends over the flat ``B*T`` stream as a host list (rows when ``cu_seqlens`` is None).
+
+    A tensor is read back (a device-to-host sync on an accelerator): layers take the host bounds from
+    ``AttentionMeta.boundaries`` instead; this is for tests and host-side callers."""
     if cu_seqlens is None:
         return list(range(0, batch * seqlen + 1, seqlen))
     cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
@@ -67,27 +86,8 @@ def document_bounds(cu_seqlens: torch.Tensor | list[int] | None, batch: int, seq
     return cu
 
 
-def _boundary_windows(cu: list[int], K: int, *, ahead: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The rows whose ``K``-tap window on the flat stream crosses a document boundary.
-
-    ``ahead=False`` (the forward reads back): the first ``K-1`` rows ``t`` of every document after the first,
-    tap ``j`` reading ``t - (K-1-j)``. ``ahead=True`` (the input gradient reads ahead): the last ``K-1`` rows of
-    every document before the last, tap ``j`` reading ``t + (K-1-j)``. Returns ``rows [R]``, ``src [R, K]``
-    (clamped into the stream) and ``valid [R, K]`` (``src`` lies in the row's own document).
-    """
-    cu_t = torch.tensor(cu, dtype=torch.long, device=device)
-    starts, ends = (cu_t[:-2], cu_t[1:-1]) if ahead else (cu_t[1:-1], cu_t[2:])
-    i = torch.arange(K - 1, device=device)
-    keep = i[None, :] < (ends - starts)[:, None]  # [D, K-1]: documents shorter than K-1 have fewer rows
-    rows = ((ends[:, None] - 1 - i) if ahead else (starts[:, None] + i))[keep]
-    shift = K - 1 - torch.arange(K, device=device)
-    src = rows[:, None] + shift if ahead else rows[:, None] - shift
-    lo, hi = (t[:, None].expand_as(keep)[keep][:, None] for t in (starts, ends))
-    return rows, src.clamp(0, cu[-1] - 1), (src >= lo) & (src < hi)
-
-
 def _recompute_rows(out_NC: torch.Tensor, x_NC: torch.Tensor, w_CK: torch.Tensor, windows: tuple) -> None:
-    """``out[rows] = sum_j w[:, j] * x[src[:, j]]`` over the in-document taps of ``_boundary_windows``,
+    """``out[rows] = sum_j w[:, j] * x[src[:, j]]`` over the in-document taps of a ``ConvPlan`` window,
     accumulated by fused multiply-adds for ``j = 0 .. K-1`` (the stream's order and rounding)."""
     rows, src, valid = windows
     if not rows.numel():
@@ -99,44 +99,38 @@ def _recompute_rows(out_NC: torch.Tensor, x_NC: torch.Tensor, w_CK: torch.Tensor
     out_NC.index_copy_(0, rows, fixed)
 
 
-def _crossing_rows(cu: list[int], s: int, *, device: torch.device) -> torch.Tensor:
-    """Rows ``t`` whose source ``t - s`` lies before ``t``'s document start (documents after the first)."""
-    cu_t = torch.tensor(cu, dtype=torch.long, device=device)
-    starts, ends = cu_t[1:-1], cu_t[2:]
-    t = starts[:, None] + torch.arange(s, device=device)
-    return t[(t < ends[:, None]) & (t - s >= cu[0])]
-
-
-def _conv_input_grad(g_NC: torch.Tensor, w_CK: torch.Tensor, cu: list[int]) -> torch.Tensor:
+def _conv_input_grad(g_NC: torch.Tensor, w_CK: torch.Tensor, plan: ConvPlan) -> torch.Tensor:
     """``grad_x[u] = sum_j w[:, j] * g[u + K-1-j]`` over ``u``'s own document, on the flat channel-last
     stream: K fused multiply-adds over the whole stream (memory-bound: no transposes, no padded copy), then
     the rows before each document boundary recomputed from in-document terms only (exact)."""
     N, K = g_NC.shape[0], w_CK.shape[-1]
     out = torch.empty_like(g_NC)
     s0 = min(K - 1, N)  # the farthest shift that has a source row
-    out[N - s0 :] = 0
+    out[N - s0 :].zero_()
     torch.mul(g_NC[s0:], w_CK[:, K - 1 - s0], out=out[: N - s0])
     for s in range(s0 - 1, -1, -1):
         out[: N - s].addcmul_(g_NC[s:], w_CK[:, K - 1 - s])
-    _recompute_rows(out, g_NC, w_CK, _boundary_windows(cu, K, ahead=True, device=g_NC.device))
+    _recompute_rows(out, g_NC, w_CK, plan.backward)
     return out
 
 
-def _conv_weight_grad(g_NC: torch.Tensor, x_NC: torch.Tensor, K: int, cu: list[int]) -> torch.Tensor:
+def _conv_weight_grad(g_NC: torch.Tensor, x_NC: torch.Tensor, K: int, plan: ConvPlan) -> torch.Tensor:
     """``grad_w[:, K-1-s] = sum_t g[t] * x[t - s]`` over pairs inside one document (cross-document pairs of
     the full-stream product are zeroed before the sum, not subtracted after)."""
     N = g_NC.shape[0]
     grad_w = g_NC.new_zeros(g_NC.shape[1], K)
-    buf = torch.empty_like(g_NC)  # one product buffer for every shift (a fresh one each costs page faults)
+    # one product buffer for every shift (a fresh one each costs page faults), with a spare row that takes the
+    # plan's candidate rows pairing no two documents
+    buf = g_NC.new_empty(N + 1, g_NC.shape[1])
     for s in range(min(K, N)):
         prod = torch.mul(g_NC[s:], x_NC[: N - s], out=buf[: N - s])
         if s:
-            prod.index_fill_(0, _crossing_rows(cu, s, device=g_NC.device) - s, 0)
+            buf[: N - s + 1].index_fill_(0, plan.crossing[s - 1], 0)
         grad_w[:, K - 1 - s] = prod.sum(0)
     return grad_w
 
 
-def _conv_forward(x_NC: torch.Tensor, w_CK: torch.Tensor, cu: list[int]) -> torch.Tensor:
+def _conv_forward(x_NC: torch.Tensor, w_CK: torch.Tensor, plan: ConvPlan) -> torch.Tensor:
     """Pre-activation causal conv per document on the flat channel-last stream: ``y[t] = x[t-K+1] w[:, 0]``,
     then ``y[t] += x[t-K+1+j] w[:, j]`` as fused multiply-adds for ``j = 1 .. K-1`` (taps before the
     document start add nothing). That is ``F.conv1d``'s accumulation order on CPU (oneDNN), so the result
@@ -146,13 +140,13 @@ def _conv_forward(x_NC: torch.Tensor, w_CK: torch.Tensor, cu: list[int]) -> torc
     N, K = x_NC.shape[0], w_CK.shape[-1]
     y = torch.empty_like(x_NC)
     s0 = min(K - 1, N)  # tap 0 reads K-1 rows back
-    y[:s0] = 0
+    y[:s0].zero_()
     torch.mul(x_NC[: N - s0], w_CK[:, 0], out=y[s0:])
     for j in range(1, K):
         s = K - 1 - j
         if s < N:
             y[s:].addcmul_(x_NC[: N - s], w_CK[:, j])
-    _recompute_rows(y, x_NC, w_CK, _boundary_windows(cu, K, ahead=False, device=x_NC.device))
+    _recompute_rows(y, x_NC, w_CK, plan.forward)
     return y
 
 
@@ -163,16 +157,17 @@ class _CausalConvSiLU(torch.autograd.Function):
     Both directions are shifted multiply-adds over the flat channel-last stream (on CPU several times faster
     than the depthwise ``convolution`` / ``convolution_backward`` with their transposes), exact per document.
     Forward (``_conv_forward``): ``F.conv1d``'s accumulation order, in the weight's dtype, returned in ``x``'s
-    dtype. Backward (``_conv_input_grad``, ``_conv_weight_grad``): in fp32.
+    dtype. Backward (``_conv_input_grad``, ``_conv_weight_grad``): in fp32. ``plan``: the document bounds'
+    ``ConvPlan`` (device index tensors, made once per micro-batch).
     """
 
     @staticmethod
-    def forward(ctx, x_BTC: torch.Tensor, w_CK: torch.Tensor, cu: list[int]) -> torch.Tensor:  # noqa: D102
+    def forward(ctx, x_BTC: torch.Tensor, w_CK: torch.Tensor, plan: ConvPlan) -> torch.Tensor:  # noqa: D102
         B, T, C = x_BTC.shape
         x = x_BTC.to(w_CK.dtype).reshape(B * T, C).contiguous()
-        y = _conv_forward(x, w_CK, cu)
+        y = _conv_forward(x, w_CK, plan)
         ctx.save_for_backward(x, w_CK, y)
-        ctx.cu, ctx.in_dtype = cu, x_BTC.dtype
+        ctx.plan, ctx.in_dtype = plan, x_BTC.dtype
         return F.silu(y).view(B, T, C).to(x_BTC.dtype)
 
     @staticmethod
@@ -180,15 +175,19 @@ class _CausalConvSiLU(torch.autograd.Function):
         x_NC, w, y_NC = ctx.saved_tensors
         f32 = torch.float32
         g = torch.ops.aten.silu_backward(grad.reshape(y_NC.shape).to(f32), y_NC.to(f32)).contiguous()
-        grad_x = _conv_input_grad(g, w.to(f32), ctx.cu)
-        grad_w = _conv_weight_grad(g, x_NC.to(f32), w.shape[-1], ctx.cu)
+        grad_x = _conv_input_grad(g, w.to(f32), ctx.plan)
+        grad_w = _conv_weight_grad(g, x_NC.to(f32), w.shape[-1], ctx.plan)
         return grad_x.view(grad.shape).to(ctx.in_dtype), grad_w.to(w.dtype), None
 
 
-def causal_conv1d_silu(x_BTC: torch.Tensor, weight_CK: torch.Tensor, cu: list[int]) -> torch.Tensor:
-    """``silu(depthwise causal conv)`` per document of the flat ``B*T`` stream (``cu`` from
-    ``document_bounds``); ``w[:, K-1]`` multiplies the current token. Packed documents are exact."""
-    return _CausalConvSiLU.apply(x_BTC, weight_CK, cu)
+def causal_conv1d_silu(
+    x_BTC: torch.Tensor, weight_CK: torch.Tensor, cu: list[int], cu_dev: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``silu(depthwise causal conv)`` per document of the flat ``B*T`` stream (``cu``: host bounds, e.g. from
+    ``AttentionMeta.boundaries``; ``cu_dev``: the same bounds on the device when the caller has them);
+    ``w[:, K-1]`` multiplies the current token. Packed documents are exact."""
+    plan = conv_plan(cu, cu_dev, weight_CK.shape[-1], x_BTC)
+    return _CausalConvSiLU.apply(x_BTC, weight_CK, plan)
 
 
 class _UnitLowerSolve(torch.autograd.Function):
@@ -306,37 +305,6 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
-@dataclass(frozen=True, slots=True)
-class _ChunkPlan:
-    """Where every token sits in the step-major chunk layout (see ``chunk_gated_delta_rule``)."""
-
-    gather_NL: torch.Tensor
-    """Token index of each chunk slot (``B*T`` = padding: a zero row), chunks in step-major order."""
-    slot_of_token: torch.Tensor
-    """Flat slot (``chunk * L + i``) of every token of the ``B*T`` stream."""
-    docs_per_step: list[int]
-    """Documents that still have a chunk at each scan step (a prefix of the length-sorted documents)."""
-
-
-def _chunk_plan(cu: list[int], chunk: int, device: torch.device) -> _ChunkPlan:
-    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
-    n_chunks = [-(-n // chunk) for n in lengths]
-    order = sorted(range(len(lengths)), key=lambda d: -n_chunks[d])  # stable: equal lengths keep their order
-    steps = n_chunks[order[0]]
-    docs_per_step = [sum(1 for d in order if n_chunks[d] > j) for j in range(steps)]
-    starts = torch.tensor([cu[d] for d in order], device=device)
-    ends = torch.tensor([cu[d + 1] for d in order], device=device)
-    # chunk (step j, sorted doc r) for r < docs_per_step[j], step-major
-    step_idx = torch.cat([torch.full((n,), j, device=device) for j, n in enumerate(docs_per_step)])
-    doc_idx = torch.cat([torch.arange(n, device=device) for n in docs_per_step])
-    tok = starts[doc_idx, None] + step_idx[:, None] * chunk + torch.arange(chunk, device=device)
-    valid = tok < ends[doc_idx, None]
-    gather = torch.where(valid, tok, cu[-1])
-    slot_of_token = torch.empty(cu[-1], dtype=torch.long, device=device)
-    slot_of_token[tok[valid]] = torch.arange(gather.numel(), device=device).view_as(gather)[valid]
-    return _ChunkPlan(gather_NL=gather, slot_of_token=slot_of_token, docs_per_step=docs_per_step)
-
-
 def chunk_gated_delta_rule(
     q_BTHD: torch.Tensor,
     k_BTHD: torch.Tensor,
@@ -399,9 +367,11 @@ def _chunk_rule(
     cu: list[int],
     chunk_size: int,
     out_dtype: torch.dtype,
+    cu_dev: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``chunk_gated_delta_rule`` on q/k/v grouped by key head: ``qkv [B, T, Hk * (2Dk + r*Dv)]`` with rows
-    ``[q_j | k_j | v_{j*r} .. v_{j*r+r-1}]`` per key head ``j`` (what ``GatedDeltaNet``'s conv hands on)."""
+    ``[q_j | k_j | v_{j*r} .. v_{j*r+r-1}]`` per key head ``j`` (what ``GatedDeltaNet``'s conv hands on).
+    ``cu``: host bounds; ``cu_dev``: the same on the device, when the caller has them (``chunk_plan``)."""
     B, T, C = qkv_BTC.shape
     Hv = g_BTH.shape[-1]
     L = chunk_size
@@ -423,7 +393,7 @@ def _chunk_rule(
 
         plan = None
     else:
-        plan = _chunk_plan(cu, L, qkv_BTC.device)
+        plan = chunk_plan(cu, cu_dev, L, qkv_BTC)
         docs_per_step = plan.docs_per_step
 
         def to_chunks(t_BTF: torch.Tensor) -> torch.Tensor:
@@ -451,31 +421,174 @@ def cuda_kernels_can_run(qkv: torch.Tensor) -> bool:
     return installed and qkv.is_cuda and qkv.dtype in (torch.float16, torch.bfloat16)
 
 
+_FLA_FEATURES: dict[object, tuple[bool, bool]] = {}
+
+
+def _fla_features(fn: object) -> tuple[bool, bool]:
+    """``(grouped values, host bounds)``: whether this ``chunk_gated_delta_rule`` takes fewer q/k heads than value
+    heads (fla >= 0.5: "GVA") and a ``cu_seqlens_cpu`` host copy of the bounds (fla >= 0.4.2)."""
+    if fn not in _FLA_FEATURES:
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):  # pragma: no cover - a builtin without a signature
+            params = {}
+        _FLA_FEATURES[fn] = ("GVA" in (getattr(fn, "__doc__", None) or ""), "cu_seqlens_cpu" in params)
+    return _FLA_FEATURES[fn]
+
+
 def _cuda_kernels_forward(
     qkv_BTHG: torch.Tensor, g_BTH: torch.Tensor, beta_BTH: torch.Tensor, conv_weight_CK: torch.Tensor,
-    cu: list[int], *, Dk: int, Dv: int,
+    cu: list[int], *, Dk: int, Dv: int, cu_dev: torch.Tensor | None = None, cu_cpu: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``GatedDeltaRule`` through ``causal_conv1d_fn`` and fla's ``chunk_gated_delta_rule`` (HF's kernels).
 
     The conv runs channel-last on ``[B, C, T]`` views with ``seq_idx`` (the document of every token: taps
     never cross a boundary); the rule runs on the flat ``[1, B*T]`` stream with ``cu_seqlens`` (the state
-    restarts per document). fla wants one head count for q, k and v, so q/k are repeated per value head
-    (value head ``h`` reads key head ``h // r``).
+    restarts per document). Both come from the device bounds (``cu_dev``, made once per micro-batch; the
+    same int64 tensor object for every layer, so fla's own per-tensor caches hit), and fla also gets the host
+    copy ``cu_seqlens_cpu`` where it takes one, so it never reads the bounds back. fla >= 0.5 maps value head
+    ``h`` to key head ``h // r`` itself (grouped values); older versions get q/k repeated per value head.
     """
     B, T, Hk, G = qkv_BTHG.shape
     Hv = g_BTH.shape[-1]
     r = Hv // Hk
-    cu_t = torch.tensor(cu, dtype=torch.long, device=qkv_BTHG.device)
-    tok = torch.arange(B * T, device=qkv_BTHG.device)
-    seq_idx_BT = torch.searchsorted(cu_t[1:], tok, right=True).to(torch.int32).view(B, T)
+    cu_t = device_bounds(cu, cu_dev, qkv_BTHG)
+    seq_idx_BT = _seq_idx(cu, cu_t, qkv_BTHG).view(B, T)
     x_BCT = qkv_BTHG.reshape(B, T, Hk * G).transpose(1, 2)  # channel-last memory, as seq_idx requires
     y_BTC = causal_conv1d_fn(x_BCT, conv_weight_CK, None, seq_idx=seq_idx_BT, activation="silu").transpose(1, 2)
     q, k, v = y_BTC.reshape(B, T, Hk, G).split([Dk, Dk, r * Dv], dim=-1)
-    if r > 1:
+    grouped, takes_host = _fla_features(fla_chunk_gated_delta_rule)
+    if r > 1 and not grouped:
         q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
     flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v.reshape(B, T, Hv, Dv), g_BTH, beta_BTH.to(q.dtype))]
-    o, _ = fla_chunk_gated_delta_rule(*flat, scale=Dk**-0.5, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t)
+    extra = {}
+    if takes_host:
+        extra["cu_seqlens_cpu"] = cu_cpu.long() if cu_cpu is not None else _host_bounds(cu, qkv_BTHG)
+    o, _ = fla_chunk_gated_delta_rule(*flat, scale=Dk**-0.5, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t, **extra)
     return o.reshape(B, T, Hv, Dv)
+
+
+def _seq_idx(cu: list[int], cu_t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """int32 ``[B*T]``: the document of every token (causal-conv1d's ``seq_idx``), from the device bounds."""
+
+    def build() -> torch.Tensor:
+        tok = torch.arange(cu[-1], device=like.device)
+        return torch.searchsorted(cu_t[1:], tok, right=True).to(torch.int32)
+
+    return cached(("seq_idx", tuple(cu)), like, build)
+
+
+def _host_bounds(cu: list[int], like: torch.Tensor) -> torch.Tensor:
+    """The host bounds as an int64 CPU tensor (fla's ``cu_seqlens_cpu``), made once per micro-batch."""
+    return cached(("host_bounds", tuple(cu)), like, lambda: torch.tensor(cu, dtype=torch.long))
+
+
+def _rule_forward(
+    qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor, cu: list[int],
+    cu_dev: torch.Tensor | None, cu_cpu: torch.Tensor | None, *, Dk: int, Dv: int, chunk_size: int, kernel: str,
+) -> torch.Tensor:  # fmt: skip
+    """``GatedDeltaRule`` without context parallel: conv + rule over the host bounds ``cu`` (``cu_dev``/``cu_cpu``:
+    the same bounds on the device / as a CPU tensor, when the caller has them)."""
+    B, T, Hk, G = qkv.shape
+    if kernel == "cuda_kernels":
+        return _cuda_kernels_forward(qkv, g, beta, conv_weight, cu, Dk=Dk, Dv=Dv, cu_dev=cu_dev, cu_cpu=cu_cpu)
+    y = causal_conv1d_silu(qkv.reshape(B, T, Hk * G), conv_weight, cu, cu_dev)
+    return _chunk_rule(y, g, beta, Hk=Hk, Dk=Dk, Dv=Dv, cu=cu, chunk_size=chunk_size, out_dtype=y.dtype, cu_dev=cu_dev)
+
+
+# ---------------------------------------------------------------- torch.compile: the core as custom ops
+#
+# Dynamo cannot trace the core well: its Python loops run over the packing (a new packing would recompile), fla and
+# causal-conv1d are opaque kernels (graph breaks). So compiled code calls ``hyper_parallel::gated_delta_rule``: the
+# bounds enter as tensors (``cu_seqlens`` on the device, ``cu_seqlens_cpu`` on the host), read inside the op with
+# no device sync. Its backward, ``hyper_parallel::gated_delta_rule_backward``, recomputes the forward under autograd
+# and differentiates it (an op boundary cannot carry autograd's intermediates, whose chunk layout depends on the
+# packing): the same gradients, bit for bit, for one more forward of the core. Eager code calls ``_rule_forward``
+# directly (its intermediates kept, no recompute).
+
+
+def _op_bounds(qkv: torch.Tensor, cu_cpu: torch.Tensor | None) -> list[int]:
+    B, T = qkv.shape[:2]
+    if cu_cpu is None:
+        return document_bounds(None, B, T)
+    cu = cu_cpu.tolist()  # a host tensor: no device sync
+    check_boundaries(cu, B, T)
+    return cu
+
+
+@torch.library.custom_op("hyper_parallel::gated_delta_rule", mutates_args=())
+def gated_delta_rule_op(
+    qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
+    cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
+    head_k_dim: int, head_v_dim: int, chunk_size: int, kernel: str,
+) -> torch.Tensor:  # fmt: skip
+    """``GatedDeltaRule.forward`` (no context parallel) as one op: PRE-conv ``qkv [B, T, Hk, G]`` grouped by key
+    head, ``g``/``beta [B, T, Hv]``, ``conv_weight [C, K]``; ``cu_seqlens`` (int, device) and ``cu_seqlens_cpu``
+    (int, host) the same document bounds, or both None for one document per row; ``kernel`` "torch" or
+    "cuda_kernels". Returns ``[B, T, Hv, head_v_dim]`` in ``qkv``'s dtype."""
+    cu = _op_bounds(qkv, cu_seqlens_cpu)
+    o = _rule_forward(qkv, g, beta, conv_weight, cu, cu_seqlens, cu_seqlens_cpu, Dk=head_k_dim, Dv=head_v_dim,
+                      chunk_size=chunk_size, kernel=kernel)  # fmt: skip
+    return o.contiguous()  # the layout the fake promises (equal documents come back as a strided view)
+
+
+@gated_delta_rule_op.register_fake
+def _(qkv, g, beta, conv_weight, cu_seqlens, cu_seqlens_cpu, head_k_dim, head_v_dim, *rest):  # noqa: ANN001, ANN002
+    return qkv.new_empty(*qkv.shape[:2], g.shape[-1], head_v_dim)
+
+
+@contextmanager
+def _autograd_inside_op():
+    """Autograd on inside an op's kernel: the dispatcher runs kernels below autograd (its keys excluded from the
+    thread's dispatch set); put them back (autocast stays excluded, as in the forward) and enable grad mode."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    autograd = torch._C._dispatch_keyset_full() - torch._C._after_autograd_keyset
+    keep = exclude - autograd
+    for name in dir(torch._C.DispatchKey):
+        if name.startswith("Autocast") and exclude.has(getattr(torch._C.DispatchKey, name)):
+            keep = keep | torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, name))
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), keep), torch.enable_grad():
+        yield
+
+
+@torch.library.custom_op("hyper_parallel::gated_delta_rule_backward", mutates_args=())
+def gated_delta_rule_backward_op(
+    grad: torch.Tensor, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
+    cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
+    head_k_dim: int, head_v_dim: int, chunk_size: int, kernel: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Gradients of ``gated_delta_rule_op`` for ``qkv, g, beta, conv_weight``: the forward recomputed under
+    autograd, then differentiated against ``grad``."""
+    cu = _op_bounds(qkv, cu_seqlens_cpu)
+    with _autograd_inside_op():
+        leaves = [t.detach().requires_grad_() for t in (qkv, g, beta, conv_weight)]
+        o = _rule_forward(*leaves, cu, cu_seqlens, cu_seqlens_cpu, Dk=head_k_dim, Dv=head_v_dim,
+                          chunk_size=chunk_size, kernel=kernel)  # fmt: skip
+        grads = torch.autograd.grad(o, leaves, grad, allow_unused=True)
+    out = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) if d is None else d.contiguous()
+           for t, d in zip(leaves, grads))  # fmt: skip
+    return tuple(out)  # type: ignore[return-value]
+
+
+@gated_delta_rule_backward_op.register_fake
+def _(grad, qkv, g, beta, conv_weight, cu_seqlens, cu_seqlens_cpu, *consts):  # noqa: ANN001, ANN002
+    return tuple(t.new_empty(t.shape) for t in (qkv, g, beta, conv_weight))  # contiguous, as the kernel returns
+
+
+def _op_setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
+    qkv, g, beta, conv_weight, cu_seqlens, cu_seqlens_cpu, *consts = inputs
+    ctx.save_for_backward(qkv, g, beta, conv_weight, cu_seqlens, cu_seqlens_cpu)
+    ctx.consts = consts
+
+
+def _op_backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN202
+    qkv, g, beta, conv_weight, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
+    grads = gated_delta_rule_backward_op(grad.contiguous(), qkv, g, beta, conv_weight, cu_seqlens, cu_seqlens_cpu,
+                                         *ctx.consts)  # fmt: skip
+    return (*grads, None, None, None, None, None, None)
+
+
+gated_delta_rule_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
 class GatedDeltaRule(Module):
@@ -531,13 +644,17 @@ class GatedDeltaRule(Module):
         if cp is not None:  # set by the context-parallel hook, never by a caller
             return gated_delta_rule_cp(qkv, g, beta, conv_weight_CK=conv_weight, meta=meta, cp=cp, head_k_dim=dk,
                                        head_v_dim=dv, chunk_size=self.config.chunk_size)  # fmt: skip
-        cu = document_bounds(meta.cu_seqlens if meta is not None else None, B, T)
-        if self.kernel(qkv) == "cuda_kernels":
-            return _cuda_kernels_forward(qkv, g, beta, conv_weight, cu, Dk=dk, Dv=dv)
-        qkv = causal_conv1d_silu(qkv.reshape(B, T, Hk * G), conv_weight, cu)
-        o = _chunk_rule(qkv, g, beta, Hk=Hk, Dk=dk, Dv=dv, cu=cu, chunk_size=self.config.chunk_size,
-                        out_dtype=qkv.dtype)  # fmt: skip
-        return o
+        packed = meta is not None and meta.cu_seqlens is not None
+        kernel, L = self.kernel(qkv), self.config.chunk_size
+        if torch.compiler.is_compiling():
+            # One opaque op: the bounds enter as tensors whose values the graph never guards, so a new packing
+            # reuses the compiled graph (its length turns dynamic after the first change).
+            cu_cpu = meta.host_bounds() if packed else None
+            return gated_delta_rule_op(qkv, g, beta, conv_weight, meta.cu_seqlens if packed else None, cu_cpu,
+                                       dk, dv, L, kernel)  # fmt: skip
+        cu = meta.boundaries(B, T) if packed else document_bounds(None, B, T)
+        return _rule_forward(qkv, g, beta, conv_weight, cu, meta.cu_seqlens if packed else None, None,
+                             Dk=dk, Dv=dv, chunk_size=L, kernel=kernel)  # fmt: skip
 
     def kernel(self, qkv: torch.Tensor) -> Literal["torch", "cuda_kernels"]:
         """The implementation ``forward`` runs for inputs like ``qkv`` (raises if the configured one cannot)."""
@@ -660,7 +777,7 @@ def _scan(U, W, Kd, decay, steps: list[int], S0: torch.Tensor, Qd=None, P=None):
 
 def _prepare(qkv_NC: torch.Tensor, g_NH: torch.Tensor, beta_NH: torch.Tensor, cu: list[int], *, Hk, Dk, Dv, L):
     """The intra-chunk quantities of ``_chunk_rule`` (same formulas) for the segments ``cu`` of a flat stream."""
-    plan = _chunk_plan(cu, L, qkv_NC.device)
+    plan = chunk_plan(cu, None, L, qkv_NC)
 
     def to_chunks(t_NF: torch.Tensor) -> torch.Tensor:
         flat = torch.cat([t_NF, t_NF.new_zeros(1, t_NF.shape[-1])])
@@ -732,7 +849,7 @@ def gated_delta_rule_cp(
         tails = torch.stack([x[:, o + plen - halo : o + plen] for o in local_offsets])  # [np, B, K-1, C]
         gathered_tails = cp.all_gather(tails)  # [size, np, B, K-1, C]
         owner = {gp: (rk, i) for rk in range(cp.size) for i, gp in enumerate(cp.pieces_of(rk))}
-    parts, cu_ext, keep = [], [0], []
+    parts, cu_ext = [], [0]
     at = 0
     for p in pieces:
         b, lo, hi = p["row"], p["lo"], p["hi"]
@@ -748,13 +865,14 @@ def gated_delta_rule_cp(
         # boundaries of the extended piece [lo - halo, hi): its start and every document start after it
         row = b * T
         cu_ext += [at + s - (row + lo - halo) for s in cu_g if row + lo - halo < s < row + hi]
-        keep.append(torch.arange(at + halo, at + halo + plen))
         at += halo + plen
         cu_ext.append(at)
     cu_ext = sorted(set(cu_ext))
     x_ext = torch.cat(parts)[None]  # [1, N_ext, C]
     y_ext = causal_conv1d_silu(x_ext, conv_weight_CK, cu_ext)[0]
-    y = y_ext.index_select(0, torch.cat(keep).to(y_ext.device))  # [B*t, C] local stream order
+    # every extended piece is [halo | plen] rows: keep the piece rows ([B*t, C], local stream order)
+    keep = torch.arange(len(pieces), device=y_ext.device)[:, None] * (halo + plen) + halo
+    y = y_ext.index_select(0, (keep + torch.arange(plen, device=y_ext.device)).flatten())
 
     # 2. segments of the local stream: piece starts and the document starts inside pieces
     cu_loc, first_seg, last_seg = [], [], []
@@ -779,7 +897,7 @@ def gated_delta_rule_cp(
     M_of = {}
     if keep_docs:
         rows, sub_steps = _subset_rows(steps, keep_docs)
-        idx = torch.tensor(rows, device=y.device)
+        idx = host_index(rows, y)  # one copy per micro-batch (cached by content), not per layer
         eye = torch.eye(Dk, **f32).expand(len(keep_docs), Hv, Dk, Dk)
         sub = [t_.index_select(0, idx) for t_ in (W, Kd, decay)]
         _, M = _scan(None, sub[0], sub[1], sub[2], sub_steps, eye)

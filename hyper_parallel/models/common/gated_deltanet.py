@@ -25,6 +25,7 @@ dict adapters convert with ``GatedDeltaNet.qkv_rows_from_hf`` / ``qkv_rows_to_hf
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyper_parallel.models.common.attention import AttentionMeta
+from hyper_parallel.models.common.flops import chunked_delta_rule_flops
 from hyper_parallel.models.common.gated_delta_rule import GatedDeltaRule
 from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.mixer import TokenMixer
@@ -123,17 +125,12 @@ class GatedDeltaNet(TokenMixer):
         self.dt_bias.fill_(1.0)
         self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log_())
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Chunked recurrence FLOPs per token (fwd + bwd = 3x fwd), chunk ``L = min(chunk_size, seq_len)``.
-
-        Per value head and token, forward: ``K K^T``, ``Q K^T`` (2*L*Dk each), the two triangular solves
-        (L*(Dv+Dk)), ``W S``/``Q S``/``K^T v'`` (2*Dk*Dv each) and ``attn v'`` (2*L*Dv).
-        """
+    def flops(self, doc_lens: Sequence[int]) -> float:
+        """The chunked recurrence's training FLOPs, every document in whole ``chunk_size`` chunks
+        (``flops.chunked_delta_rule_flops``)."""
         c = self.config
-        L = min(self.delta_rule.config.chunk_size, max(seq_len, 1))
-        dk, dv = c.head_k_dim, c.head_v_dim
-        fwd = 4 * L * dk + L * (dk + dv) + 6 * dk * dv + 2 * L * dv
-        return 3.0 * c.num_v_heads * fwd
+        return chunked_delta_rule_flops(doc_lens, heads=c.num_v_heads, k_dim=c.head_k_dim, v_dim=c.head_v_dim,
+                                        chunk=self.delta_rule.config.chunk_size)  # fmt: skip
 
     def forward(
         self, x_BTD: torch.Tensor, *, position_ids: torch.Tensor | None = None, meta: AttentionMeta | None = None

@@ -10,11 +10,13 @@ parallel: every view uses ``-1`` for heads), d head dim.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from hyper_parallel.models.common.attention import AttentionMeta, VarlenAttention
+from hyper_parallel.models.common.flops import attention_flops
 from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.rmsnorm import RMSNorm
 from hyper_parallel.models.common.mixer import TokenMixer
@@ -70,9 +72,10 @@ class GQAttention(TokenMixer):
         self.inner_attention = c.inner_attention.build()
         self.softmax_scale = c.softmax_scale if c.softmax_scale is not None else c.head_dim**-0.5
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token of ``QK^T`` and ``PV`` (fwd + bwd, no causal discount, torchtitan style)."""
-        return 12.0 * self.config.n_heads * self.config.head_dim * seq_len
+    def flops(self, doc_lens: Sequence[int]) -> float:
+        """Training FLOPs of ``QK^T`` and ``PV``, causal within each packed document (``models/common/flops.py``)."""
+        c = self.config
+        return attention_flops(doc_lens, heads=c.n_heads, qk_dim=c.head_dim, v_dim=c.head_dim)
 
     def forward(
         self, x_BTD: torch.Tensor, *, position_ids: torch.Tensor, meta: AttentionMeta | None = None

@@ -13,11 +13,13 @@ head dims, dq = dn + dr.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from hyper_parallel.models.common.attention import AttentionMeta, VarlenAttention
+from hyper_parallel.models.common.flops import attention_flops
 from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.rmsnorm import RMSNorm
 from hyper_parallel.models.common.mixer import TokenMixer
@@ -108,10 +110,11 @@ class MLAttention(TokenMixer):
         self.inner_attention = c.inner_attention.build()
         self.softmax_scale = c.softmax_scale if c.softmax_scale is not None else self.qk_head_dim**-0.5
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token of ``QK^T`` and ``PV`` (fwd + bwd, no causal discount, torchtitan style)."""
+    def flops(self, doc_lens: Sequence[int]) -> float:
+        """Training FLOPs of ``QK^T`` (nope + rope head dim) and ``PV`` (v head dim), causal within each packed
+        document (``models/common/flops.py``)."""
         c = self.config
-        return 6.0 * c.n_heads * (self.qk_head_dim + c.v_head_dim) * seq_len
+        return attention_flops(doc_lens, heads=c.n_heads, qk_dim=self.qk_head_dim, v_dim=c.v_head_dim)
 
     def forward(
         self, x_BTD: torch.Tensor, *, position_ids: torch.Tensor, meta: AttentionMeta | None = None

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyper_parallel.models.common.feed_forward import FeedForward
+from hyper_parallel.models.common.flops import matmul_flops
 from hyper_parallel.models.common.grouped_mm import GroupedMMImpl, grouped_linear
 from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.lora import LoRA, init_lora_A_
@@ -423,6 +424,13 @@ class MoE(Module):
         self.token_split: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.dispatcher = LocalTokenDispatcher(num_experts)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+
+    def flops(self, tokens: int) -> float:
+        """Training FLOPs of the matmuls over ``tokens`` tokens (``models/common/flops.py``): router, shared expert
+        (and its gate) for every token, the routed experts at ``top_k / num_experts`` (dropless: every token, the
+        padding included, visits exactly ``top_k`` of them)."""
+        routed = matmul_flops(self.experts, tokens)
+        return matmul_flops(self, tokens) - routed * (1.0 - self.config.gate.top_k / self.config.num_experts)
 
     def forward(self, x: torch.Tensor, *, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., D]`` -> ``[..., D]``; ``token_mask`` (bool, ``x.shape[:-1]``): False where a position is padding,

@@ -194,14 +194,15 @@ class RoPE(Module):
         super().init_own_weights()
         self.inv_freq.copy_(self._compute_inv_freq())
 
-    def _mrope_rows(self, device: torch.device) -> torch.Tensor:
-        """int64 ``[rotary_dim / 2]``: the position row (0 t, 1 h, 2 w) of every frequency slot."""
+    def _mrope_freqs(self, freqs_3BTF: torch.Tensor) -> torch.Tensor:
+        """``[B, T, rotary_dim / 2]``: each frequency slot's angle from its position row (HF's
+        ``apply_interleaved_mrope``: row h on slots ``1::3`` below ``3 * section[1]``, row w on ``2::3`` below
+        ``3 * section[2]``, row t elsewhere). Static strided slices: no index tensor, no data-dependent shape."""
         _, s_h, s_w = self.config.mrope_section
-        j = torch.arange(self.rotary_dim // 2, device=device)
-        rows = torch.zeros_like(j)
-        rows[(j % 3 == 1) & (j < 3 * s_h)] = 1
-        rows[(j % 3 == 2) & (j < 3 * s_w)] = 2
-        return rows
+        out = freqs_3BTF[0].clone()
+        out[..., 1 : 3 * s_h : 3] = freqs_3BTF[1, ..., 1 : 3 * s_h : 3]
+        out[..., 2 : 3 * s_w : 3] = freqs_3BTF[2, ..., 2 : 3 * s_w : 3]
+        return out
 
     def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` ``[B, T, rotary_dim]`` from ``[B, T]`` (or M-RoPE ``[3, B, T]``) positions: computed in
@@ -214,8 +215,7 @@ class RoPE(Module):
                     f"position_ids of shape {list(position_ids.shape)}: [3, B, T] M-RoPE positions need "
                     "RoPE.Config.mrope_section; otherwise pass [B, T] positions"
                 )
-            rows = self._mrope_rows(freqs.device).expand(*freqs.shape[1:])
-            freqs = freqs.gather(0, rows.unsqueeze(0))[0]
+            freqs = self._mrope_freqs(freqs)
         emb = torch.cat((freqs, freqs), dim=-1)
         factor = self.cos_sin_factor()
         return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)

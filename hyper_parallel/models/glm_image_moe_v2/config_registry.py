@@ -10,12 +10,14 @@ import dataclasses
 from hyper_parallel.components import CheckpointManager, LRSchedulersContainer, MetricsProcessor, OptimizersContainer
 from hyper_parallel.config import ActivationCheckpointConfig, ParallelismConfig, TrainingConfig
 from hyper_parallel.config.lora import LoRAConfig
-from hyper_parallel.data import TokenDataLoader
+from hyper_parallel.data import HuggingFaceTextDataLoader, TokenDataLoader
+from hyper_parallel.data.source_config import SourceConfig
 from hyper_parallel.models.glm_image_moe_v2.model import glm_image_moe_config, glm_with_mtp
 from hyper_parallel.trainer import Trainer
 
 __all__ = [
-    "glm_image_moe_a3b", "glm_image_moe_a3b_ep8", "glm_image_moe_a3b_lora", "glm_image_moe_debug",
+    "glm_4_7_flash_sft", "glm_4_7_flash_sft_debug", "glm_4_7_flash_sft_lora", "glm_image_moe_a3b",
+    "glm_image_moe_a3b_ep8", "glm_image_moe_a3b_lora", "glm_image_moe_a3b_mixed", "glm_image_moe_debug",
     "glm_image_moe_lora_debug", "glm_image_moe_mtp_debug",
 ]  # fmt: skip
 
@@ -120,4 +122,86 @@ def glm_image_moe_a3b_ep8() -> Trainer.Config:
     """``glm_image_moe_a3b`` with the 64 routed experts spread over 8 expert-parallel ranks."""
     cfg = glm_image_moe_a3b()
     cfg.parallelism.expert_parallel_degree = 8
+    return cfg
+
+
+# ---- GLM-4.7-Flash itself (no image path) and GlmImageMoe on images + conversations ------------------------------
+
+
+def _chat_data(cfg: Trainer.Config, *, tokens: int, global_tokens: int) -> None:
+    """Chat SFT data: a jsonl with a ``messages`` column, assistant turns only, long conversations cut at a turn."""
+    cfg.data = HuggingFaceTextDataLoader.Config(
+        source="text", chat_column="messages", loss_on="assistant", split_long_documents=False,
+        long_conversations="cut", max_tokens_per_microbatch=tokens, global_batch_tokens=global_tokens,
+        num_workers=cfg.data.num_workers,
+    )  # fmt: skip
+
+
+def glm_4_7_flash_sft_debug() -> Trainer.Config:
+    """``glm_image_moe_debug``'s trunk without image path (a tiny Glm4MoeLite) fine-tuned on the embedded toy
+    conversations, assistant turns only; a laptop CPU runs it offline. A GLM-4.7-Flash folder given as
+    ``--checkpoint.initial_load_path`` replaces the model (README, "GLM-4.7-Flash")."""
+    cfg = glm_image_moe_debug()
+    cfg.model = dataclasses.replace(cfg.model, image_path=False)
+    _chat_data(cfg, tokens=256, global_tokens=512)
+    cfg.training.steps = 60
+    return cfg
+
+
+def glm_4_7_flash_sft() -> Trainer.Config:
+    """GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``: ~30B parameters, ~3B active, no image path, the release's
+    nextn layer trained as MTP with weight 0.3) fine-tuned on conversations in full: bf16 FSDP over one node of
+    8 x 80 GiB, every layer recomputed, 8192-token micro-batches, 256k tokens a step (32 micro-batches over the
+    data-parallel ranks, whatever their number), lr 1e-5.
+
+    Start from the release: ``--checkpoint.initial_load_path GLM-4.7-Flash --data.tokenizer GLM-4.7-Flash
+    --data.path chats.jsonl``; the export is a Glm4MoeLite folder in bf16 (the release's form). Dry run
+    (``python -m hyper_parallel.dry_run --module glm_image_moe --config glm_4_7_flash_sft --world_size 8``):
+
+        ranks x GiB   params  grads  optim  static  peak   headroom
+        8 x 80         14.24  14.24  28.49   56.97  68.41  11.59 GiB (14.5%)
+    """
+    cfg = glm_image_moe_a3b()
+    cfg.model = dataclasses.replace(cfg.model, image_path=False)
+    _chat_data(cfg, tokens=8192, global_tokens=1 << 18)
+    cfg.optimizer.lr = 1e-5
+    cfg.lr_scheduler.warmup_steps = 50
+    cfg.training.steps = 2000
+    return cfg
+
+
+def glm_4_7_flash_sft_lora() -> Trainer.Config:
+    """``glm_4_7_flash_sft`` as a LoRA run: rank-16 adapters (alpha 32) on MLA's projections, the dense and shared
+    MLPs and each routed expert, the rest frozen in bf16; the release's nextn layer kept aside (passthrough,
+    byte-equal in the export; ``--model.use_mtp true`` trains it frozen under the adapters' loss). Dry run on
+    8 x 80 GiB (``--world_size 8``), GiB per rank:
+
+        ranks x GiB   params  grads  optim  static  peak   headroom
+        8 x 80          7.18   0.20   0.41    7.79  15.82  64.18 GiB
+    """
+    cfg = glm_4_7_flash_sft()
+    cfg.model = dataclasses.replace(cfg.model, use_mtp=False)
+    cfg.lora = LoRAConfig(rank=16, alpha=32.0, targets=_GLM_LORA_TARGETS)
+    cfg.optimizer.lr, cfg.optimizer.weight_decay = 1e-4, 0.0
+    return cfg
+
+
+def glm_image_moe_a3b_mixed() -> Trainer.Config:
+    """``glm_image_moe_a3b`` trained on DirectToken images and text conversations in one run (``data.sources``):
+    70% of the tokens from image-token shards, 30% from chats (assistant turns only); ``loss/images`` and
+    ``loss/chat`` logged per step. From a GLM-4.7-Flash folder the image path is grown at start (the DirectToken
+    source needs it) and the export is the GlmImageMoe form. The sources' paths and the chats' tokenizer come from a
+    run file (README, "GLM-4.7-Flash with images"); left empty they are the embedded toy corpora. Dry run on
+    8 x 80 GiB (``--world_size 8``), GiB per rank:
+
+        ranks x GiB   params  grads  optim  static  peak   headroom
+        8 x 80         14.39  14.26  28.52   57.17  69.27  10.73 GiB (13.4%)
+    """
+    cfg = glm_image_moe_a3b()
+    tokens = cfg.data.max_tokens_per_microbatch
+    cfg.data.sources = [
+        SourceConfig(name="images", source="direct_token", weight=0.7),
+        SourceConfig(name="chat", source="text", weight=0.3, chat_column="messages", loss_on="assistant"),
+    ]
+    cfg.data.global_batch_tokens = 64 * tokens
     return cfg

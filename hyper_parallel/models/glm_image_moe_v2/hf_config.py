@@ -15,11 +15,14 @@ takes GlmImage's defaults. Read as transformers 5.x reads ``Glm4MoeLiteConfig``:
 - ``tie_word_embeddings=True`` is refused: GlmImageMoe's head has ``vocab + codebook`` rows, the embedding
   ``vocab``. ``attention_dropout`` > 0 and a ``hidden_act`` other than silu are refused too.
 
+A Glm4MoeLite folder is read as a model without image path (``image_path`` False: no codebook, projection or
+image rows in the head); ``--model.image_path true`` or image data grows one.
+
 The writer emits the folder's form: every key it had, at its level (the RoPE keys as the folder spelled them,
 ``models.common.hf_rope.rope_to_hf``; ``first_k_dense_replace`` restated from the layers), plus explicit
-``mlp_layer_types``; without a folder one ``rope_parameters``. A Glm4MoeLite folder read as GlmImageMoe keeps its
-keys in ``text_config`` of the GlmImageMoe form (the model has an image path the folder lacks), or exactly its
-own form with ``text_only``.
+``mlp_layer_types``; without a folder one ``rope_parameters``. A model without image path is written exactly in
+the Glm4MoeLite form; one that grew an image path from a Glm4MoeLite folder keeps the folder's keys in
+``text_config`` of the GlmImageMoe form.
 """
 
 from __future__ import annotations
@@ -139,11 +142,14 @@ def config_from_hf(hf: Mapping[str, Any]) -> GlmImageMoeModel.Config:
     elif model_type == "glm4_moe_lite":
         kwargs = _text_kwargs(hf, "config.json")
         rope_form = kwargs.pop("_rope_form")
-        # A text-only checkpoint has no image part: take GlmImage's defaults; override in the recipe.
+        # A text-only checkpoint is a model without image path (a Glm4MoeLite model). The sizes an image path
+        # would have (--model.image_path true, a DirectToken source) are GlmImage's defaults; a run takes the
+        # recipe's (ModelSpec.fields_not_in_hf).
         extras = {
             "placeholder_token_id": hf.get("placeholder_token_id", kwargs["vocab_size"] - 1),
             "codebook_size": 16384,
             "vq_embed_dim": 2048,
+            "image_path": False,
         }
         hf_extra = {"text_config": _rest(hf), "form": "glm4_moe_lite", **_form(hf, rope_form)}
     else:
@@ -151,8 +157,13 @@ def config_from_hf(hf: Mapping[str, Any]) -> GlmImageMoeModel.Config:
     return glm_image_moe_config(**kwargs, **extras, hf_extra=hf_extra)
 
 
-def config_to_hf(cfg: GlmImageMoeModel.Config, *, text_only: bool = False) -> dict[str, Any]:
-    """The HF ``config.json`` dict (GlmImageMoe, or plain Glm4MoeLite with ``text_only``)."""
+def config_to_hf(cfg: GlmImageMoeModel.Config, *, text_only: bool | None = None) -> dict[str, Any]:
+    """The HF ``config.json`` dict: GlmImageMoe, or plain Glm4MoeLite with ``text_only`` (None: the model's form,
+    Glm4MoeLite exactly when it has no image path)."""
+    if text_only is None:
+        text_only = not cfg.has_image_path
+    if not text_only and not cfg.has_image_path:
+        raise ValueError("a GlmImageMoe config without image path is a Glm4MoeLite model: write it with text_only=True")
     first = cfg.layers[0].self_attn
     moe = next((layer.mlp for layer in cfg.layers if isinstance(layer.mlp, MoE.Config)), None)
     dense = next((layer.mlp for layer in cfg.layers if isinstance(layer.mlp, FeedForward.Config)), None)
@@ -216,6 +227,6 @@ def config_to_hf(cfg: GlmImageMoeModel.Config, *, text_only: bool = False) -> di
         "image_end_token_id": cfg.image_end_token_id,
         "vq_l2_normalize": cfg.vq_l2_normalize,
         "freeze_vq": cfg.freeze_vq,
-        "vq_to_llm_proj_bias": cfg.vq_to_llm_proj.bias,
+        "vq_to_llm_proj_bias": cfg.vq_to_llm_proj.bias if cfg.vq_to_llm_proj is not None else False,
         "tie_word_embeddings": False,
     }

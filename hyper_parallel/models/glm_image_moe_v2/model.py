@@ -4,12 +4,18 @@
     h[visual]    = vq_to_llm_proj(l2norm(codebook[vq_codes]))    # frozen codebook, trainable projection
     logits       = lm_head(norm(layers(h)))                      # rows [0, V) text, [V, V + C) image codes
 
+The image path (codebook, projection, the head's image rows) is optional configuration: a config whose
+``vq_codebook`` / ``vq_to_llm_proj`` are None is exactly a Glm4MoeLite (GLM-4.7-Flash) model, ``lm_head [V, D]``.
+The model-level option ``image_path`` (``--model.image_path``) adds it to such a tree or removes it; a run whose
+data holds image tokens (a DirectToken source) turns it on (``fit_to_data``).
+
 One parameterised builder, ``glm_image_moe_config``, turns HF-style hyper-parameters into the config
 tree; ``hf_config.py`` converts to and from the HF ``config.json``.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal
@@ -18,10 +24,12 @@ import torch
 import torch.nn.functional as F
 import tyro
 
+from hyper_parallel.config.errors import ConfigError
 from hyper_parallel.models.common.block import TransformerBlock
 from hyper_parallel.models.common.decoder import OFF_CLI, Decoder
 from hyper_parallel.models.common.embedding import Embedding
 from hyper_parallel.models.common.feed_forward import FeedForward
+from hyper_parallel.models.common.flops import matmul_flops
 from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.mla import MLAttention
 from hyper_parallel.models.common.moe import GroupedExperts, MoE, Router
@@ -44,16 +52,20 @@ MlpLayerType = Literal["dense", "sparse"]
 class GlmImageMoeModel(Decoder):
     """Text + VQ-image autoregressive LM over ``lang_vocab_size + codebook_size`` output rows."""
 
-    input_keys: ClassVar[tuple[str, ...]] = ("visual_indices", "vq_codes", "mtp_visual_indices", "mtp_vq_codes")
+    input_keys: ClassVar[tuple[str, ...]] = (
+        "visual_indices", "vq_codes", "mtp_visual_indices", "mtp_vq_codes", "image_inputs_checked",
+    )  # fmt: skip
 
     @dataclass(kw_only=True, slots=True)
     class Config(Decoder.Config):
         codebook_size: int
-        """VQ codebook entries C (HF ``vq_config.num_embeddings``); image labels are ``code + vocab_size``."""
+        """VQ codebook entries C (HF ``vq_config.num_embeddings``); image labels are ``code + vocab_size``. Read only
+        with the image path on."""
         vq_embed_dim: int
-        """Width of a codebook vector (HF ``vq_config.embed_dim``)."""
+        """Width of a codebook vector (HF ``vq_config.embed_dim``); read only with the image path on."""
         placeholder_token_id: int
-        """Token id that marks every image position in ``input_ids`` (must be < vocab_size)."""
+        """Token id that marks every image position in ``input_ids`` (must be < vocab_size); read only with the
+        image path on (a text-only model has no image positions)."""
         image_start_token_id: int | None = None
         """Token id opening an image (kept for the HF config; the model does not need it)."""
         image_end_token_id: int | None = None
@@ -62,10 +74,20 @@ class GlmImageMoeModel(Decoder):
         """L2-normalise codebook rows before the projection (the GlmImage quantizer's semantics)."""
         freeze_vq: bool = True
         """Keep the codebook frozen: no gradient, never updated, ignored by FSDP."""
-        vq_codebook: Annotated[Embedding.Config, tyro.conf.Suppress, OFF_CLI] = field(default_factory=Embedding.Config)
-        """The VQ codebook ``[codebook_size, vq_embed_dim]`` (HF ``model.vqmodel.quantize.embedding``)."""
-        vq_to_llm_proj: Annotated[Linear.Config, tyro.conf.Suppress, OFF_CLI] = field(default_factory=Linear.Config)
-        """Projection of codebook vectors into the hidden space ``[dim, vq_embed_dim]``; always trains."""
+        vq_codebook: Annotated[Embedding.Config | None, tyro.conf.Suppress, OFF_CLI] = field(
+            default_factory=Embedding.Config
+        )
+        """The VQ codebook ``[codebook_size, vq_embed_dim]`` (HF ``model.vqmodel.quantize.embedding``); None (with
+        ``vq_to_llm_proj``): no image path, a Glm4MoeLite model."""
+        vq_to_llm_proj: Annotated[Linear.Config | None, tyro.conf.Suppress, OFF_CLI] = field(
+            default_factory=Linear.Config
+        )
+        """Projection of codebook vectors into the hidden space ``[dim, vq_embed_dim]``; always trains. None (with
+        ``vq_codebook``): no image path."""
+        image_path: bool | None = None
+        """The VQ image path (codebook, projection, ``codebook_size`` image rows in the head): True adds it to a
+        text-only (Glm4MoeLite) tree, False removes it (a GLM-4.7-Flash model: head ``[vocab_size, dim]``, exported
+        in the Glm4MoeLite form), None: as the tree says. A run with a DirectToken source turns it on."""
         max_position_embeddings: int = 202752
         """Longest position the checkpoint was trained for (kept for the HF config)."""
         hf_extra: Annotated[dict[str, Any], tyro.conf.Suppress] = field(default_factory=dict)
@@ -76,11 +98,35 @@ class GlmImageMoeModel(Decoder):
 
         def __post_init__(self) -> None:
             Decoder.Config.__post_init__(self)  # the model-level options (slots dataclass: no zero-argument super)
-            if not 0 <= self.placeholder_token_id < self.vocab_size:
-                raise ValueError(
-                    f"placeholder_token_id={self.placeholder_token_id} must be a language token id in "
-                    f"[0, vocab_size={self.vocab_size}): choose a reserved text token"
+            if self.image_path is not None and not isinstance(self.image_path, bool):
+                raise ConfigError(f"model.image_path must be true or false, got {self.image_path!r}")
+            if self.image_path is False:
+                self.vq_codebook = self.vq_to_llm_proj = None
+            elif self.image_path and self.vq_codebook is None:
+                # grown with the head's initialiser (HF's initializer_range); the codebook stays frozen by default
+                init = copy.deepcopy(self.lm_head.param_init) or NormalInit.Config(std=0.02)
+                self.vq_codebook = Embedding.Config(param_init=init)
+                self.vq_to_llm_proj = Linear.Config(bias=False, param_init=copy.deepcopy(init))
+            if (self.vq_codebook is None) != (self.vq_to_llm_proj is None):
+                raise ConfigError(
+                    "model.vq_codebook and model.vq_to_llm_proj are the one image path: set both or neither "
+                    "(--model.image_path true / false)"
                 )
+            if self.has_image_path and not 0 <= self.placeholder_token_id < self.vocab_size:
+                raise ConfigError(
+                    f"--model.placeholder_token_id {self.placeholder_token_id} must be a language token id in "
+                    f"[0, vocab_size={self.vocab_size}): choose a reserved text token (the id your DirectToken "
+                    "shards hold at image positions); a text-only run needs none (--model.image_path false)"
+                )
+
+        @property
+        def has_image_path(self) -> bool:
+            """Whether the model has the VQ image path (else it is a Glm4MoeLite model)."""
+            return self.vq_codebook is not None
+
+        def option_values(self) -> dict[str, Any]:
+            """The Decoder's model-level options, and ``image_path``: whether the tree has the image path."""
+            return {**Decoder.Config.option_values(self), "image_path": self.has_image_path}
 
         def mtp_block(self) -> MTP.Config:
             """``use_mtp=True``: the GLM-4.7-Flash nextn block (``glm_with_mtp``, its default loss weight)."""
@@ -88,15 +134,20 @@ class GlmImageMoeModel(Decoder):
 
         @property
         def output_size(self) -> int:
-            """Rows of the joint head: ``vocab_size + codebook_size``."""
-            return self.vocab_size + self.codebook_size
+            """Rows of the head: ``vocab_size + codebook_size`` (the joint head), ``vocab_size`` without image path."""
+            return self.vocab_size + (self.codebook_size if self.has_image_path else 0)
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
-        self.vq_codebook = config.vq_codebook.build(num_embeddings=config.codebook_size, embedding_dim=config.vq_embed_dim)
-        self.vq_to_llm_proj = config.vq_to_llm_proj.build(in_features=config.vq_embed_dim, out_features=config.dim)
-        if config.freeze_vq:
-            self.vq_codebook.weight.requires_grad_(False)
+        self.vq_codebook: Embedding | None = None
+        self.vq_to_llm_proj: Linear | None = None
+        if config.has_image_path:
+            self.vq_codebook = config.vq_codebook.build(
+                num_embeddings=config.codebook_size, embedding_dim=config.vq_embed_dim
+            )
+            self.vq_to_llm_proj = config.vq_to_llm_proj.build(in_features=config.vq_embed_dim, out_features=config.dim)
+            if config.freeze_vq:
+                self.vq_codebook.weight.requires_grad_(False)
         self.hf_passthrough: dict[str, torch.Tensor] = {}
         """HF keys we do not model (other ``model.vqmodel.*``; with MTP off, the GLM-4.7-Flash nextn layer),
         written back unchanged by save_pretrained."""
@@ -123,23 +174,31 @@ class GlmImageMoeModel(Decoder):
                 )
         return out
 
-    def embed(
-        self,
-        input_ids: torch.Tensor,
-        *,
-        visual_indices: torch.Tensor | None = None,
-        vq_codes: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Token embeddings with image positions replaced by projected codebook vectors.
+    def host_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """The image-input checks of ``embed``, run here on the HOST batch (free: no device involved), so the
+        forward reads nothing back (``image_inputs_checked``)."""
+        if "input_ids" not in batch:
+            return {}
+        self.check_image_inputs(batch["input_ids"], visual_indices=batch.get("visual_indices"),
+                                vq_codes=batch.get("vq_codes"))  # fmt: skip
+        return {"image_inputs_checked": True}
 
-        Checks (one host sync for all of them): as many codes as placeholders, every code inside the
-        codebook, and ``visual_indices`` exactly the placeholder positions, strictly increasing.
-        """
-        h_BTD = self.embed_tokens(input_ids)
+    def check_image_inputs(
+        self, input_ids: torch.Tensor, *, visual_indices: torch.Tensor | None, vq_codes: torch.Tensor | None
+    ) -> None:
+        """Raise ValueError unless there are as many codes as placeholders, every code lies inside the codebook,
+        and ``visual_indices`` (when given) are exactly the placeholder positions, strictly increasing. Reads the
+        statistics back once: call it on host tensors (``host_inputs``) where it costs no device sync."""
         c = self.config
-        B, T, D = h_BTD.shape
-        is_image = input_ids.reshape(-1) == c.placeholder_token_id
         n_codes = 0 if vq_codes is None else vq_codes.numel()
+        if not c.has_image_path:  # a Glm4MoeLite model: the placeholder id is an ordinary token
+            if n_codes:
+                raise ValueError(
+                    f"the batch holds {n_codes} image codes (vq_codes) but the model has no image path: train image "
+                    "data with --model.image_path true (a DirectToken source turns it on)"
+                )
+            return
+        is_image = input_ids.reshape(-1) == c.placeholder_token_id
         if n_codes == 0:
             n_placeholders = int(is_image.sum())
             if n_placeholders:
@@ -147,19 +206,19 @@ class GlmImageMoeModel(Decoder):
                     f"input_ids hold {n_placeholders} image placeholders (id {c.placeholder_token_id}) but 0 "
                     "vq_codes were given: every placeholder needs exactly one code"
                 )
-            return h_BTD
+            return
         vq_codes = vq_codes.reshape(-1)
         if visual_indices is None:
-            visual_indices = is_image.nonzero().squeeze(-1)
             in_order = torch.ones((), dtype=torch.bool, device=is_image.device)
         else:
+            N = is_image.numel()
             visual_indices = visual_indices.reshape(-1)
-            in_bounds = (visual_indices >= 0) & (visual_indices < B * T)
-            at_image = is_image[visual_indices.clamp(0, B * T - 1)] & in_bounds
+            in_bounds = (visual_indices >= 0) & (visual_indices < N)
+            at_image = is_image[visual_indices.clamp(0, N - 1)] & in_bounds
             increasing = (visual_indices[1:] > visual_indices[:-1]).all()
             in_order = at_image.all() & increasing & (visual_indices.numel() == n_codes)
         stats = torch.stack([is_image.sum(), vq_codes.min(), vq_codes.max(), in_order.long()])
-        n_placeholders, lo, hi, ordered = stats.tolist()  # the one host sync of the image path
+        n_placeholders, lo, hi, ordered = stats.tolist()  # the one read of all the checks
         if n_placeholders != n_codes:
             raise ValueError(
                 f"input_ids hold {n_placeholders} image placeholders (id {c.placeholder_token_id}) but {n_codes} "
@@ -172,6 +231,33 @@ class GlmImageMoeModel(Decoder):
                 f"visual_indices ({visual_indices.numel()}) must be the flat positions of the {n_codes} "
                 "placeholder tokens, in increasing order, each once"
             )
+
+    def embed(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        visual_indices: torch.Tensor | None = None,
+        vq_codes: torch.Tensor | None = None,
+        checked: bool = False,
+    ) -> torch.Tensor:
+        """Token embeddings with image positions replaced by projected codebook vectors.
+
+        Checks the inputs first (``check_image_inputs``: one host read for all the checks) unless ``checked``: the
+        trainer's host prep (``host_inputs``) checked them on the host batch, so the forward syncs nothing.
+        """
+        if not checked:
+            self.check_image_inputs(input_ids, visual_indices=visual_indices, vq_codes=vq_codes)
+        h_BTD = self.embed_tokens(input_ids)
+        c = self.config
+        B, T, D = h_BTD.shape
+        n_codes = 0 if vq_codes is None else vq_codes.numel()
+        if not c.has_image_path or n_codes == 0:
+            return h_BTD
+        vq_codes = vq_codes.reshape(-1)
+        if visual_indices is None:
+            visual_indices = (input_ids.reshape(-1) == c.placeholder_token_id).nonzero().squeeze(-1)
+        else:
+            visual_indices = visual_indices.reshape(-1)
         img_ND = self.image_embeddings(vq_codes).to(h_BTD.dtype)
         return h_BTD.reshape(B * T, D).index_put((visual_indices,), img_ND).view(B, T, D)
 
@@ -228,11 +314,12 @@ class GlmImageMoeModel(Decoder):
         vq_codes: torch.Tensor | None = None,
         mtp_visual_indices: torch.Tensor | None = None,
         mtp_vq_codes: torch.Tensor | None = None,
+        image_inputs_checked: bool = False,
         **_: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
         """The text + image embedding and (with MTP) the next tokens': ``forward``'s first step, and pipeline stage
         0's (``Decoder.forward_stage``)."""
-        h = self.embed(input_ids, visual_indices=visual_indices, vq_codes=vq_codes)
+        h = self.embed(input_ids, visual_indices=visual_indices, vq_codes=vq_codes, checked=image_inputs_checked)
         mtp_embeds = None
         if self.config.mtp is not None and mtp_input_ids is not None:
             mtp_embeds = self.embed_next_tokens_with_images(
@@ -255,9 +342,11 @@ class GlmImageMoeModel(Decoder):
         mtp_visual_indices: torch.Tensor | None = None,
         mtp_vq_codes: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
+        image_inputs_checked: bool = False,
     ) -> torch.Tensor | ModelOutput:
         """``[B, T]`` ids (+ image codes) -> logits ``[B, T, vocab_size + codebook_size]``. ``token_mask``: the
         batch's (False on padding, left out of the MoE router statistics; ``Decoder.forward``).
+        ``image_inputs_checked``: the host prep validated the image inputs (``host_inputs``): no check here.
 
         With an MTP block and ``mtp_input_ids``: ``ModelOutput(logits, aux_loss, mtp_logits)``, the MTP head
         predicting token ``t + 2`` over the same joint text + image-code vocabulary (``Decoder``). A pipeline stage
@@ -268,11 +357,11 @@ class GlmImageMoeModel(Decoder):
                 input_ids, *carry, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                 cu_seqlens_host=cu_seqlens_host, mtp_input_ids=mtp_input_ids, token_mask=token_mask,
                 visual_indices=visual_indices, vq_codes=vq_codes, mtp_visual_indices=mtp_visual_indices,
-                mtp_vq_codes=mtp_vq_codes,
+                mtp_vq_codes=mtp_vq_codes, image_inputs_checked=image_inputs_checked,
             )  # fmt: skip
         h, mtp_embeds, _ = self.stage_inputs(
             input_ids, mtp_input_ids=mtp_input_ids, visual_indices=visual_indices, vq_codes=vq_codes,
-            mtp_visual_indices=mtp_visual_indices, mtp_vq_codes=mtp_vq_codes,
+            mtp_visual_indices=mtp_visual_indices, mtp_vq_codes=mtp_vq_codes, image_inputs_checked=image_inputs_checked,
         )  # fmt: skip
         return self.forward_embedded(
             h,
@@ -284,14 +373,22 @@ class GlmImageMoeModel(Decoder):
             token_mask=token_mask,
         )
 
-    def get_nparams_and_flops(self, seq_len: int) -> tuple[int, float]:
-        """Decoder's count; the frozen codebook is not trained, so it adds no training FLOPs."""
-        total, flops = Decoder.get_nparams_and_flops(self, seq_len)
-        return total, flops - 6.0 * self.vq_codebook.weight.numel()
+    def input_flops(self, batch: Mapping[str, Any]) -> float:
+        """The image path: ``vq_to_llm_proj`` on every image code (once more for the MTP block's next-token images);
+        the codebook lookup is free and its rows need no gradient (forward + weight gradient only). 0 without an
+        image path (a Glm4MoeLite model)."""
+        if self.vq_to_llm_proj is None:
+            return 0.0
+        codes = batch.get("vq_codes")
+        n = 0 if codes is None else codes.numel()
+        if self.mtp is not None:  # embed_next_tokens_with_images projects (nearly) the same codes again
+            mtp_codes = batch.get("mtp_vq_codes")
+            n += n if mtp_codes is None else mtp_codes.numel()
+        return matmul_flops(self.vq_to_llm_proj, n, input_grad=False)
 
     def active_params(self) -> int:
         """Backbone + head parameters a token uses (the image-path codebook and projection excluded)."""
-        image_path = self.vq_codebook.weight.numel() + sum(p.numel() for p in self.vq_to_llm_proj.parameters())
+        image_path = sum(p.numel() for m in (self.vq_codebook, self.vq_to_llm_proj) if m is not None for p in m.parameters())
         return Decoder.active_params(self) - image_path
 
 
@@ -392,13 +489,16 @@ def glm_image_moe_config(
     hf_extra: dict[str, Any] | None = None,
     num_nextn_predict_layers: int = 0,
     mtp_loss_weight: float = MTP_LOSS_WEIGHT,
+    image_path: bool = True,
 ) -> GlmImageMoeModel.Config:
     """The one flavor builder: HF Glm4MoeLite/GlmImage hyper-parameters -> the config tree.
 
     ``mlp_layer_types`` decides dense vs MoE per layer (HF ignores ``first_k_dense_replace``);
     default ``["dense"] + ["sparse"] * (L - 1)``. ``num_nextn_predict_layers`` (GLM-4.7-Flash: 1; 0 = off)
     adds the MTP block: the nextn layer at index ``num_hidden_layers`` (MLA + MoE, vLLM
-    ``glm4_moe_lite_mtp.py``), trained with weight ``mtp_loss_weight``.
+    ``glm4_moe_lite_mtp.py``), trained with weight ``mtp_loss_weight``. ``image_path=False``: no VQ image path
+    (a Glm4MoeLite model; the ``codebook_size`` ... arguments are then only what ``--model.image_path true``
+    would grow).
     """
     layer_types = list(mlp_layer_types) if mlp_layer_types is not None else ["dense"] + ["sparse"] * (num_hidden_layers - 1)
     if len(layer_types) != num_hidden_layers or set(layer_types) - {"dense", "sparse"}:
@@ -493,8 +593,8 @@ def glm_image_moe_config(
         image_end_token_id=image_end_token_id,
         vq_l2_normalize=vq_l2_normalize,
         freeze_vq=freeze_vq,
-        vq_codebook=Embedding.Config(param_init=NormalInit.Config(std=initializer_range)),
-        vq_to_llm_proj=linear(vq_proj_bias),
+        vq_codebook=Embedding.Config(param_init=NormalInit.Config(std=initializer_range)) if image_path else None,
+        vq_to_llm_proj=linear(vq_proj_bias) if image_path else None,
         max_position_embeddings=max_position_embeddings,
         hf_extra=dict(hf_extra or {}),
     )

@@ -45,6 +45,7 @@ __all__ = [
     "CheckpointKeyError",
     "GlmImageMoeStateDictAdapter",
     "HFLoadResult",
+    "folder_dtype",
     "load_hf_weights",
     "read_hf_config",
     "save_hf_state_dict",
@@ -248,6 +249,17 @@ class GlmImageMoeStateDictAdapter(CheckedStateDictAdapter):
 # ---- HF folders: from_pretrained / save_pretrained ----------------------------------------------
 
 
+def folder_dtype(config: Any) -> torch.dtype | None:
+    """The dtype the HF folder a config was read from declares (``dtype`` / legacy ``torch_dtype``, top level or
+    ``text_config``); None for a config not read from a folder."""
+    extra = getattr(config, "hf_extra", None) or {}
+    for level in (extra.get("top", {}), extra.get("text_config", {})):
+        name = level.get("dtype", level.get("torch_dtype"))
+        if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+    return None
+
+
 def load_hf_weights(
     model: Any, path: str | os.PathLike, *, init_missing: Callable[[], None] | None = None
 ) -> HFLoadResult:
@@ -271,11 +283,22 @@ def save_hf_state_dict(
     path: str | os.PathLike,
     *,
     max_shard_size: int | str = "5GB",
-    text_only: bool = False,
+    text_only: bool | None = None,
     passthrough: dict[str, torch.Tensor] | None = None,
     dtype: torch.dtype | None = None,
 ) -> list[str]:
-    """Write ``state_dict`` (our keys, full tensors) + ``config.json`` as an HF folder."""
+    """Write ``state_dict`` (our keys, full tensors) + ``config.json`` as an HF folder: the GlmImageMoe form, or
+    with ``text_only`` the Glm4MoeLite form (None: the model's, Glm4MoeLite exactly without image path).
+    Floating tensors are written in ``dtype``, by default the dtype the folder the model was read from declares
+    (``config.json`` ``dtype``), else as they are; routers included (a release stores them like the rest)."""
+    if text_only is None:
+        text_only = not config.has_image_path
+    if not text_only and not config.has_image_path:
+        raise ValueError(
+            "this GlmImageMoe model has no image path (a Glm4MoeLite model): it is written in the Glm4MoeLite "
+            "form, text_only=True"
+        )
+    dtype = dtype if dtype is not None else folder_dtype(config)
     adapter = GlmImageMoeStateDictAdapter(config)
     kept = {k: v for k, v in (passthrough or {}).items() if adapter.kept_to_hf(k, text_only=text_only) is not None}
     hf_io.warn_dropped(set(passthrough or {}) - set(kept), "a text-only (Glm4MoeLite) export has no image path; "
@@ -285,9 +308,8 @@ def save_hf_state_dict(
         ours = {k: v for k, v in sd.items() if k not in kept}
         hf = adapter.to_hf_text_only(ours) if text_only else adapter.to_hf(ours)
         hf.update({adapter.kept_to_hf(k, text_only=text_only): v for k, v in sd.items() if k in kept})
-        if dtype is not None:
-            # the router stays fp32 (HF keeps it fp32 too: _keep_in_fp32_modules_strict)
-            hf = {k: v if k.endswith(("mlp.gate.weight", "e_score_correction_bias")) else v.to(dtype) for k, v in hf.items()}
+        if dtype is not None:  # integer tensors (hf_lora's row traces) as they are
+            hf = {k: v.to(dtype) if v.is_floating_point() else v for k, v in hf.items()}
         return hf
 
     path = Path(path)

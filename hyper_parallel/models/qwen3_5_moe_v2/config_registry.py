@@ -59,6 +59,18 @@ def qwen3_5_moe_sft_debug() -> Trainer.Config:
     return cfg
 
 
+A3B_CP = 2
+"""Context-parallel degree of ``qwen3_5_moe_a3b`` on its 8 x 80 GiB node."""
+
+
+def _fixed_global_batch(cfg: Trainer.Config, ranks: int) -> Trainer.Config:
+    """Fix ``cfg``'s global batch at one micro-batch per data-parallel rank of the ``ranks`` it is sized for
+    (``ranks / cp`` sequences of ``max_tokens_per_microbatch``): the optimizer step is then the same on any number
+    of ranks, which only changes how many micro-batches each rank accumulates."""
+    cfg.data.global_batch_tokens = max(1, ranks // cfg.parallelism.context_parallel_degree) * cfg.data.max_tokens_per_microbatch
+    return cfg
+
+
 def qwen3_5_moe_a3b() -> Trainer.Config:
     """Qwen3.5-35B-A3B text dimensions (34.66B total, ~3.45B active), bf16 FSDP.
 
@@ -71,11 +83,15 @@ def qwen3_5_moe_a3b() -> Trainer.Config:
 
     Sized for one node of 8 x 80 GiB (dry run): FSDP's fp32 parameter and gradient shards and AdamW's two
     moments take 66.1 GiB per rank, so every 8192-token sequence is split over 2 ranks (context parallel 2:
-    Ulysses over the 2 K/V heads and 16 DeltaNet key heads), every layer is recomputed in backward, and
-    gradients are reduce-scattered in bf16 (the fp32 reduce buffer of one layer's 256 experts alone is 3.1
-    GiB): the dry run peaks at 73.20 GiB per rank (8.5% headroom; 71.57 GiB without the MTP block). Without
-    these it peaked at 216 GiB (no recomputation) or 74.8 GiB (recomputation only), measured before the dry run
-    scaled each segment of the step to full depth and without MTP (rough figures).
+    Ulysses over the 2 K/V heads and 16 DeltaNet key heads), the 256 routed experts are spread over the 8 ranks
+    (expert parallel 8: no rank gathers a layer's experts or reduce-scatters their gradients, 1.6 GiB each with
+    FSDP), every layer is recomputed in backward, and gradients are reduce-scattered in bf16: the dry run
+    (``python -m hyper_parallel.dry_run --module qwen3_5_moe --config qwen3_5_moe_a3b --world_size 8``) peaks at
+    69.78 GiB per rank with the MTP block (12.8% headroom; this recipe keeps at least 10%). FSDP over the experts
+    instead peaked at 73.32 GiB (72.34 with context parallel 4, 74.53 with 8). Without recomputation it peaked at
+    216 GiB. The global batch is fixed (one sequence per data-parallel rank of this node, 32768 tokens): fewer
+    ranks accumulate more micro-batches for the same optimizer step. A small stand-in folder on one process:
+    ``--parallelism.context_parallel_degree 1 --parallelism.expert_parallel_degree 1``.
     """
     model = qwen3_5_moe_config(
         vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
@@ -85,10 +101,11 @@ def qwen3_5_moe_a3b() -> Trainer.Config:
         mrope_section=(11, 11, 10), rms_norm_eps=1e-6, max_position_embeddings=262144, mtp_num_hidden_layers=1,
     )  # fmt: skip
     cfg = qwen3_5_text_trainer("qwen3_5_moe", model, debug=False)
-    cfg.parallelism.context_parallel_degree = 2
+    cfg.parallelism.context_parallel_degree = A3B_CP
+    cfg.parallelism.expert_parallel_degree = 8
     cfg.activation_checkpoint.mode = "full"
     cfg.training.mixed_precision_reduce = "bfloat16"
-    return cfg
+    return _fixed_global_batch(cfg, 8)
 
 
 def qwen3_5_moe_a3b_lora() -> Trainer.Config:
@@ -110,13 +127,16 @@ def qwen3_5_moe_a3b_lora() -> Trainer.Config:
     cfg.model = dataclasses.replace(cfg.model, use_mtp=False)  # frozen, unadapted: the release's block passes through
     cfg.lora = LoRAConfig(rank=16, alpha=32.0, targets=("all-linear", "experts"))
     cfg.parallelism.context_parallel_degree = 1  # 8192-token sequences fit whole on one rank
+    cfg.parallelism.expert_parallel_degree = 1  # 2 or 4 ranks: the experts FSDP-sharded with the rest
+    _fixed_global_batch(cfg, 4)  # one sequence per rank of 4 x 40 GiB (two on each of 2 x 80 GiB)
     cfg.optimizer.lr, cfg.optimizer.weight_decay = 1e-4, 0.0
     cfg.lr_scheduler.warmup_steps = 50
     return cfg
 
 
 def qwen3_5_moe_a3b_ep8() -> Trainer.Config:
-    """``qwen3_5_moe_a3b`` with the 256 routed experts spread over 8 expert-parallel ranks."""
+    """``qwen3_5_moe_a3b`` with the 256 routed experts spread over 8 expert-parallel ranks (now the a3b recipe's own
+    layout; kept for the commands that name it)."""
     cfg = qwen3_5_moe_a3b()
     cfg.parallelism.expert_parallel_degree = 8
     return cfg
@@ -133,9 +153,10 @@ def qwen3_5_moe_a3b_128k() -> Trainer.Config:
     """
     cfg = qwen3_5_moe_a3b()
     cfg.parallelism.context_parallel_degree = 8
+    cfg.parallelism.expert_parallel_degree = 1  # sized with the experts FSDP-sharded (the docstring's dry run)
     cfg.data.max_tokens_per_microbatch = 131072
     cfg.optimizer.name = "muon"
-    return cfg
+    return _fixed_global_batch(cfg, 8)
 
 
 def qwen3_5_moe_a3b_256k() -> Trainer.Config:
@@ -147,8 +168,9 @@ def qwen3_5_moe_a3b_256k() -> Trainer.Config:
     """
     cfg = qwen3_5_moe_a3b()
     cfg.parallelism.context_parallel_degree = 16
+    cfg.parallelism.expert_parallel_degree = 1  # sized with the experts FSDP-sharded (the docstring's dry run)
     cfg.data.max_tokens_per_microbatch = 262144
-    return cfg
+    return _fixed_global_batch(cfg, 16)
 
 
 def qwen3_5_moe_397b() -> Trainer.Config:

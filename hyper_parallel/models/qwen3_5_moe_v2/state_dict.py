@@ -1,5 +1,6 @@
 """Qwen3.5-MoE <-> HF checkpoint keys: the Qwen3.5 family's mapping (``qwen3_5_v2.state_dict``), under the
-MoE package's names. Experts: per-expert (what HF writes) or fused keys in, per-expert keys out."""
+MoE package's names. Experts: per-expert or fused keys in; out in the folder's form (fused when the folder stored
+them fused, ``hf_extra["experts_form"]``; per expert otherwise)."""
 
 from __future__ import annotations
 

@@ -66,6 +66,8 @@ class Qwen3_5StateDictAdapter(CheckedStateDictAdapter):
         super().__init__(model_config, **runtime_objects)
         self.has_mtp = getattr(model_config, "mtp", None) is not None
         self.tied = bool(getattr(model_config, "tie_word_embeddings", False))
+        # a folder that stores its experts fused (the Qwen3.5-MoE releases) is written back fused
+        self.fused_experts = (getattr(model_config, "hf_extra", None) or {}).get("experts_form") == "fused"
         self.no_shared_expert = {
             i
             for i, layer in enumerate(model_config.layers)
@@ -98,7 +100,8 @@ class Qwen3_5StateDictAdapter(CheckedStateDictAdapter):
         text_only: bool = True,
         passthrough: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Our keys -> HF keys (per-expert); ``text_only=False`` writes the ConditionalGeneration layout
+        """Our keys -> HF keys (experts per expert, or fused as the folder stored them: ``hf_extra["experts_form"]``);
+        ``text_only=False`` writes the ConditionalGeneration layout
         plus ``passthrough``."""
         prefix = _TEXT if text_only else _VL
         out: dict[str, torch.Tensor] = {}
@@ -109,14 +112,19 @@ class Qwen3_5StateDictAdapter(CheckedStateDictAdapter):
                 continue
             if key.startswith(_MTP):  # top-level in both layouts
                 hf_key = key.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
-                out.update(hf_io.split_experts(hf_key, t, "") or {hf_key: t})
+                out.update(self._experts_to_hf(hf_key, t, "") or {hf_key: t})
                 continue
             t = self._qkv_rows(key, t, to_hf=True)
             hf_key = self._mixer_to_hf(key).replace(".mlp.shared_experts.", ".mlp.shared_expert.")
-            out.update(hf_io.split_experts(hf_key, t, prefix) or {prefix + hf_key: t})
+            out.update(self._experts_to_hf(hf_key, t, prefix) or {prefix + hf_key: t})
         if not text_only:
             out.update(passthrough or {})
         return out
+
+    def _experts_to_hf(self, hf_key: str, t: torch.Tensor, prefix: str) -> dict[str, torch.Tensor] | None:
+        """Per-expert HF keys of a fused experts tensor; None (the key as it is: fused ``[E, 2I, H]`` /
+        ``[E, H, I]``, HF's own layout) for other keys and for a folder that stores its experts fused."""
+        return None if self.fused_experts else hf_io.split_experts(hf_key, t, prefix)
 
     def _empty_shared(self, hf_key: str) -> bool:
         """An HF shared-expert key (prefix removed) of a layer built without one (``shared_expert_intermediate_size=0``)."""

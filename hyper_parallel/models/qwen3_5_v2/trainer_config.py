@@ -13,6 +13,11 @@ from hyper_parallel.trainer import Trainer
 __all__ = ["qwen3_5_text_trainer"]
 
 
+NODE_RANKS = 8
+"""Ranks of the node the full-size recipes are sized for: their global batch is one micro-batch per data-parallel
+rank there (``data.global_batch_tokens``, fixed: another layout only splits it into other micro-batches)."""
+
+
 def qwen3_5_text_trainer(model_spec: str, model: Any, *, debug: bool) -> Trainer.Config:
     """``debug``: a CPU run on the embedded toy text corpus (fp32, HF export); else a full-size bf16 FSDP run
     over every rank (``--data.path`` and ``--data.tokenizer`` to be given)."""
@@ -39,7 +44,9 @@ def qwen3_5_text_trainer(model_spec: str, model: Any, *, debug: bool) -> Trainer
         training=TrainingConfig(steps=10000, max_norm=1.0, mixed_precision_param="bfloat16"),
         parallelism=ParallelismConfig(data_parallel_shard_degree=-1),
         data=HuggingFaceTextDataLoader.Config(
-            source="text", max_tokens_per_microbatch=8192, global_batch_tokens=0, num_workers=2
+            # a fixed global batch: one 8192-token sequence per rank of one 8-GPU node; on fewer ranks (or with
+            # context parallel) each rank accumulates more micro-batches, and the optimizer step stays the same
+            source="text", max_tokens_per_microbatch=8192, global_batch_tokens=NODE_RANKS * 8192, num_workers=2
         ),
         optimizer=OptimizersContainer.Config(name="adamw", lr=2e-5, weight_decay=0.1),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=200, decay_type="cosine", min_lr_ratio=0.1),

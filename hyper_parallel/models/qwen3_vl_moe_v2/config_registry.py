@@ -147,8 +147,9 @@ def _release_run(model: Qwen3VlMoeModel.Config, *, tokens_per_microbatch: int, a
         training=TrainingConfig(steps=10000, max_norm=1.0, mixed_precision_param="bfloat16"),
         parallelism=ParallelismConfig(data_parallel_shard_degree=-1),
         activation_checkpoint=ActivationCheckpointConfig(mode=ac),
-        data=VisionLanguageDataLoader.Config(max_tokens_per_microbatch=tokens_per_microbatch, global_batch_tokens=0,
-                                             num_workers=2),  # fmt: skip
+        # a fixed global batch: one micro-batch per rank of one 8-GPU node (fewer ranks accumulate more)
+        data=VisionLanguageDataLoader.Config(max_tokens_per_microbatch=tokens_per_microbatch,
+                                             global_batch_tokens=8 * tokens_per_microbatch, num_workers=2),  # fmt: skip
         optimizer=OptimizersContainer.Config(name="adamw", lr=lr, weight_decay=0.1),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=warmup_steps, decay_type="cosine", min_lr_ratio=0.1),
         checkpoint=CheckpointManager.Config(enable=True, interval=500, keep_latest_k=3, async_mode="async"),
@@ -192,6 +193,7 @@ def qwen3_vl_moe_a3b_lora() -> Trainer.Config:
     cfg = qwen3_vl_moe_a3b()
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "experts")  # every text layer is MoE
     cfg.lora = LoRAConfig(rank=16, alpha=32.0, targets=targets)
+    cfg.data.global_batch_tokens = 4 * cfg.data.max_tokens_per_microbatch  # one sequence per rank of 4 (2 on 2 ranks)
     cfg.optimizer.lr, cfg.optimizer.weight_decay = 1e-4, 0.0
     cfg.lr_scheduler.warmup_steps = 50
     return cfg

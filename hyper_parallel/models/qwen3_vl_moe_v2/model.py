@@ -30,8 +30,8 @@ gradients of the tower are exact zeros rather than missing).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 import numpy as np
@@ -53,7 +53,7 @@ from hyper_parallel.models.common.mtp import MTP
 from hyper_parallel.models.common.rmsnorm import RMSNorm
 from hyper_parallel.models.common.rope import RoPE
 from hyper_parallel.models.qwen3_5_v2.model import MTP_LOSS_WEIGHT, qwen3_5_config, qwen3_5_with_mtp
-from hyper_parallel.models.qwen3_vl_moe_v2.vision import VisionTower, vision_tower_config
+from hyper_parallel.models.qwen3_vl_moe_v2.vision import VisionGrid, VisionPlan, VisionTower, vision_tower_config
 from hyper_parallel.protocols.model import ModelOutput
 from hyper_parallel.protocols.param_init import NormalInit
 
@@ -75,6 +75,49 @@ __all__ = [
 TextFamily = Literal["qwen3_vl_moe", "qwen3_vl", "qwen3_5_moe", "qwen3_5"]
 QWEN3_5_FAMILIES: tuple[TextFamily, ...] = ("qwen3_5_moe", "qwen3_5")
 """The text families whose layers are the Qwen3.5 hybrid stack (their HF text part is ``qwen3_5_v2``'s)."""
+
+
+PIXEL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+"""The batch's visual inputs (the vision-language collate's)."""
+HOST_KEYS = ("visual_tokens", "visual_index")
+"""The visual host facts ``Qwen3VlMoeModel.host_inputs`` adds to a host batch."""
+
+
+@dataclass(frozen=True, slots=True)
+class VisualTokens:
+    """Host facts of one micro-batch's visual inputs, made on the host by ``Qwen3VlMoeModel.host_inputs`` (before
+    the context-parallel split and the device copy), so the forward never reads its geometry back from the device.
+    Python facts only (a dataclass is left alone by the trainer's device copy and by FSDP's input moves); the
+    per-token tables travel as ONE int64 tensor, ``visual_index`` (one host-to-device copy per micro-batch), laid
+    out as :meth:`unpack` reads it."""
+
+    plan: VisionPlan
+    """The tower's geometry: the images' grids, then the videos' (the dummy ``m x m`` grid without pixels)."""
+    real: bool
+    """False: the micro-batch has no pixels (the tower runs on the dummy grid and its output is added times 0)."""
+    rows: int
+    """B: rows of the micro-batch."""
+    seqlen: int
+    """T: tokens per row of the whole micro-batch (before the CP split)."""
+    after_pieces: int = 0
+    """K: sequence pieces of this context-parallel rank (0 without CP: ``visual_index`` has no ``after`` part)."""
+
+    def pack(self, tables: torch.Tensor, positions: torch.Tensor, after: torch.Tensor | None = None) -> torch.Tensor:
+        """int64 ``[5N | F+1 | 2n | B*K]``: the tower's tables, its frame boundaries, the visual positions and (under
+        CP) the feature after each local piece."""
+        parts = [tables.reshape(-1), self.plan.cu_seqlens_cpu.to(torch.int64), positions.reshape(-1)]
+        if after is not None:
+            parts.append(after.reshape(-1))
+        return torch.cat(parts)
+
+    def unpack(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(tables [5, N], cu_seqlens int64 [F+1], positions [2, n], after [B, K] or None)``: views of
+        ``index`` (host or device), cut at host offsets (no sync)."""
+        N, F1, BK = self.plan.num_patches, len(self.plan.cu_seqlens), self.rows * self.after_pieces
+        n2 = index.shape[0] - 5 * N - F1 - BK
+        tables, cu, positions, after = torch.split(index, [5 * N, F1, n2, BK])
+        return (tables.view(5, N), cu, positions.view(2, n2 // 2),
+                after.view(self.rows, self.after_pieces) if self.after_pieces else None)
 
 
 class _Embedded(NamedTuple):
@@ -108,7 +151,7 @@ def text_family_of(config: Decoder.Config) -> TextFamily:
 class Qwen3VlMoeModel(Decoder):
     """A vision-language MoE model; ``model(input_ids, pixel_values=, image_grid_thw=)`` returns logits."""
 
-    input_keys: ClassVar[tuple[str, ...]] = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+    input_keys: ClassVar[tuple[str, ...]] = (*PIXEL_KEYS, *HOST_KEYS)
 
     @dataclass(kw_only=True, slots=True)
     class Config(Decoder.Config):
@@ -179,27 +222,144 @@ class Qwen3VlMoeModel(Decoder):
 
     # ---- vision ----------------------------------------------------------------------------------
 
+    def input_flops(self, batch: Mapping[str, Any]) -> float:
+        """The vision tower on the micro-batch's images and videos (one call, as ``_vision`` runs it; the dummy
+        ``m x m`` grid of a text-only batch); 0 on a pipeline stage without the tower."""
+        if self.visual is None:
+            return 0.0
+        grids = []
+        for key, pixels in (("image_grid_thw", "pixel_values"), ("video_grid_thw", "pixel_values_videos")):
+            grid = batch.get(key)
+            if grid is not None and batch.get(pixels) is not None and grid.numel() > 0:
+                grids += grid.reshape(-1, 3).tolist()
+        m = self.visual.config.spatial_merge_size
+        return self.visual.flops(grids or [[1, m, m]])
+
+    def host_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """The micro-batch's visual host facts, made on the host from the host batch (the trainer calls this before
+        the context-parallel split and the device copy; a direct ``forward`` call without them makes them from its
+        inputs, reading the ids and grids back once). Keys (all in ``input_keys``):
+
+        - ``visual_tokens``: :class:`VisualTokens` (Python facts: the tower's :class:`VisionPlan`, ``[B, T]``);
+        - ``visual_index``: int64, ``VisualTokens.pack`` of the tower's per-patch tables (``VisionPlan.tables``),
+          its frame boundaries, and the visual positions ``[2, n]``: flat ``B*T`` position of every visual token
+          (image tokens, then video tokens, in sequence order) and the row of its feature in the tower's output.
+
+        Raises when the placeholders of ``input_ids`` and the grids disagree (each image/video needs
+        ``t*h*w/merge_size**2`` placeholders)."""
+        c = self.config
+        m = c.visual.spatial_merge_size
+        input_ids = batch["input_ids"]
+        B, T = input_ids.shape
+        grids: list[list[int]] = []
+        counts = {"image": 0, "video": 0}
+        for what, pixels_key, grid_key in (("image", "pixel_values", "image_grid_thw"),
+                                           ("video", "pixel_values_videos", "video_grid_thw")):  # fmt: skip
+            pv, grid = batch.get(pixels_key), batch.get(grid_key)
+            if pv is not None and grid is not None and grid.numel() > 0:  # as _vision: both present, not empty
+                g = grid.reshape(-1, 3).tolist()  # a host tensor (the trainer's batch): no device sync
+                grids += g
+                counts[what] = sum(t * h * w for t, h, w in g) // (m * m)
+        real = bool(grids)
+        plan = VisionPlan.from_grids(grids if real else [[1, m, m]], m)
+        if not real:
+            positions = torch.zeros(2, 0, dtype=torch.int64)  # host (no device=)
+        else:
+            if counts["video"] and c.video_token_id < 0:
+                raise ValueError("got pixel_values_videos but the model has no video_token_id (Config.video_token_id)")
+            ids = input_ids.detach().cpu().numpy().reshape(-1)
+            flat = []
+            for what, token in (("image", c.image_token_id), ("video", c.video_token_id)):
+                found = np.flatnonzero(ids == token) if token >= 0 else np.zeros(0, np.int64)
+                if len(found) != counts[what]:
+                    key = f"{what}_grid_thw"
+                    raise ValueError(
+                        f"input_ids hold {len(found)} {what} tokens (id {token}) but {key} "
+                        f"{batch.get(key).tolist() if batch.get(key) is not None else None} gives {counts[what]} "
+                        f"merged visual tokens: each {what} needs t*h*w/merge_size**2 placeholders"
+                    )
+                flat.append(found)
+            pos = np.concatenate(flat).astype(np.int64)
+            positions = torch.as_tensor(np.stack([pos, np.arange(len(pos), dtype=np.int64)]))
+        tokens = VisualTokens(plan=plan, real=real, rows=B, seqlen=T)
+        return {"visual_tokens": tokens, "visual_index": tokens.pack(plan.tables(), positions)}
+
+    @classmethod
+    def split_inputs_for_cp(
+        cls, inputs: Mapping[str, Any], *, ranges: Sequence[tuple[int, int]], seqlen: int
+    ) -> dict[str, Any]:
+        """This CP rank's visual inputs: the pixels and grids whole (the tower runs on every image on every CP
+        rank); in ``visual_index`` the visual positions renumbered to the rank's local row (its pieces ``ranges``,
+        concatenated) with the feature row of each of its visual tokens, and ``[B, K]``: for each of its ``K``
+        pieces of every row, the feature row of the token right after the piece when that token is visual, else -1
+        (the MTP input of the piece's last position). All on the host, from the whole batch: no exchange."""
+        out = super().split_inputs_for_cp(inputs, ranges=ranges, seqlen=seqlen)
+        tokens, index = inputs.get("visual_tokens"), inputs.get("visual_index")
+        if tokens is None or index is None:
+            return out
+        tables, _, positions, _ = tokens.unpack(index)
+        flat, feature = positions[0], positions[1]
+        row, col = flat // seqlen, flat % seqlen
+        local_len = sum(hi - lo for lo, hi in ranges)
+        local = torch.full_like(flat, -1)
+        offset = 0
+        for lo, hi in ranges:
+            local = torch.where((col >= lo) & (col < hi), row * local_len + offset + col - lo, local)
+            offset += hi - lo
+        keep = local >= 0
+        feature_at = torch.full((tokens.rows * seqlen,), -1, dtype=torch.int64)
+        feature_at[flat] = feature
+        nxt = torch.tensor([[b * seqlen + hi if hi < seqlen else -1 for _, hi in ranges] for b in range(tokens.rows)],
+                           dtype=torch.int64).reshape(tokens.rows, len(ranges))  # fmt: skip
+        after = torch.where(nxt >= 0, feature_at[nxt.clamp(min=0)], -1)
+        tokens = replace(tokens, after_pieces=len(ranges))
+        out["visual_tokens"] = tokens
+        out["visual_index"] = tokens.pack(tables, torch.stack([local[keep], feature[keep]]), after)
+        return out
+
+    def _visual_inputs(
+        self, input_ids: torch.Tensor, inputs: dict[str, Any]
+    ) -> tuple[VisualTokens, VisionGrid, torch.Tensor, torch.Tensor | None]:
+        """``(host facts, the tower's device geometry, visual positions [2, n], after [B, K] or None)`` from the
+        forward's inputs; a direct call without the host facts makes them here (reads ids and grids back)."""
+        if inputs.get("visual_tokens") is None:
+            inputs = {**inputs, **self._host_inputs_of_direct_call(input_ids, inputs)}
+        tokens: VisualTokens = inputs["visual_tokens"]
+        tables, cu, positions, after = tokens.unpack(inputs["visual_index"].to(input_ids.device, non_blocking=True))
+        grid = VisionGrid.from_plan(tokens.plan, tables, cu.to(torch.int32))
+        return tokens, grid, positions, after
+
+    def _host_inputs_of_direct_call(self, input_ids: torch.Tensor, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """``host_inputs`` of a direct call's device inputs: ids and grids read back in ONE copy (the only sync of
+        such a forward; the trainer's batches bring the host facts)."""
+        if not _has_pixels(inputs):  # the dummy grid: nothing to read
+            return self.host_inputs({"input_ids": input_ids})
+        if self.cp_shard is not None:
+            raise ValueError(
+                "context parallel needs the batch's visual host facts: call model.host_inputs(batch) on the whole "
+                "host batch before split_batch_for_cp (the trainer does)"
+            )
+        host = dict(_read_back({"input_ids": input_ids, "image_grid_thw": inputs.get("image_grid_thw"),
+                                "video_grid_thw": inputs.get("video_grid_thw")}))  # fmt: skip
+        host.update(pixel_values=inputs.get("pixel_values"), pixel_values_videos=inputs.get("pixel_values_videos"))
+        return self.host_inputs(host)
+
     def _vision(
-        self, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None, device: torch.device,
-        pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
-        """``(merged [M, D], deepstack features, real)``; ``real`` False = the dummy grid of a text-only batch.
+        self, grid: VisionGrid, real: bool, device: torch.device, pixel_values: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``(merged [M, D], deepstack features)`` of the micro-batch's pixels on ``grid``; ``real`` False = the dummy
+        grid of a text-only batch (zero pixels).
 
         Images and videos go through the tower in ONE call (images first): frames attend only within
         themselves, so this equals HF's two calls, and every rank runs the same FSDP units once per step
         whatever its micro-batch holds."""
         dtype = self.visual.patch_embed.proj.weight.dtype
-        pixels, grids = [], []
-        for pv, grid in ((pixel_values, image_grid_thw), (pixel_values_videos, video_grid_thw)):
-            if pv is not None and grid is not None and grid.numel() > 0:
-                pixels.append(pv.to(dtype))  # the tower runs in its own dtype (full precision when frozen)
-                grids.append(grid.reshape(-1, 3))
-        if pixels:
-            return (*self.visual(torch.cat(pixels), torch.cat(grids)), True)
-        v = self.visual.config
-        m = v.spatial_merge_size
-        dummy = torch.zeros(m * m, self.visual.patch_dim, device=device, dtype=dtype)
-        return (*self.visual(dummy, [[1, m, m]]), False)
+        if real:  # the tower runs in its own dtype (full precision when frozen)
+            pixels = [pv.to(dtype) for pv in (pixel_values, pixel_values_videos) if pv is not None and pv.numel() > 0]
+            return self.visual(torch.cat(pixels) if len(pixels) > 1 else pixels[0], grid)
+        dummy = torch.zeros(grid.num_patches, self.visual.patch_dim, device=device, dtype=dtype)
+        return self.visual(dummy, grid)
 
     def embed(
         self,
@@ -209,120 +369,57 @@ class Qwen3VlMoeModel(Decoder):
         image_grid_thw: torch.Tensor | None = None,
         pixel_values_videos: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
+        **host: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
         """``(h [B, T, D], flat visual-token indices or None, deepstack features)``.
 
         Image tokens carry the merger output of the images, video tokens that of the videos (each in
-        sequence order, HF's ``masked_scatter``); the deepstack features follow the same indices."""
+        sequence order, HF's ``masked_scatter``); the deepstack features follow the same indices. ``host``: the
+        batch's visual host facts (``host_inputs``), else made here."""
         e = self._embed(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
-                        pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)  # fmt: skip
+                        pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw, **host)  # fmt: skip
         return e.h, e.idx, e.deep
 
     def _embed(
         self,
         input_ids: torch.Tensor,
         *,
-        pixel_values: torch.Tensor | None = None,
-        image_grid_thw: torch.Tensor | None = None,
-        pixel_values_videos: torch.Tensor | None = None,
-        video_grid_thw: torch.Tensor | None = None,
         mtp_input_ids: torch.Tensor | None = None,
+        **inputs: Any,
     ) -> _Embedded:
         """``embed``, plus (given ``mtp_input_ids``) the visual features of the tokens right after this rank's
-        sequence pieces (``_Embedded.after``)."""
+        sequence pieces (``_Embedded.after``). Sync-free with the host facts: the visual-token positions and the
+        tower's geometry come from the host; nothing is read back from the device."""
         h_BTD = self.embed_tokens(input_ids)
         B, T, D = h_BTD.shape
-        merged, deep, real = self._vision(pixel_values, image_grid_thw, h_BTD.device, pixel_values_videos,
-                                          video_grid_thw)  # fmt: skip
-        if not real:  # zero contribution, but the tower and its FSDP units still ran on every rank
+        tokens, grid, pos, after_BK = self._visual_inputs(input_ids, inputs)
+        merged, deep = self._vision(grid, tokens.real, h_BTD.device, inputs.get("pixel_values"),
+                                    inputs.get("pixel_values_videos"))  # fmt: skip
+        if not tokens.real:  # zero contribution, but the tower and its FSDP units still ran on every rank
             zero = merged.sum() + sum((d.sum() for d in deep), merged.new_zeros(()))
             return _Embedded(h_BTD + 0.0 * zero.to(h_BTD.dtype), None, [], None)
         shard = self.cp_shard
-        n_local = 1 if shard is None else len(shard.pieces_of(shard.rank))
-        after_BKD = ends_BK = None
-        if mtp_input_ids is not None:  # the next token of every local piece's last position (< 0: none in the doc)
+        after_BKD = None
+        if mtp_input_ids is not None:  # the visual feature of the token after each local piece (zeros: none)
+            n_local = 1 if shard is None else len(shard.pieces_of(shard.rank))
             after_BKD = h_BTD.new_zeros(B, n_local, D)
-            ends_BK = mtp_input_ids[:, T // n_local - 1 :: T // n_local]
-        m2 = self.config.visual.spatial_merge_size ** 2
-        n_image = 0 if image_grid_thw is None or pixel_values is None else int(image_grid_thw.prod(-1).sum()) // m2
-        parts = []  # (token mask [B, T], its slice of the merged rows, name, grids)
-        parts.append((input_ids == self.config.image_token_id, slice(0, n_image), "image", image_grid_thw))
-        if self.config.video_token_id >= 0:
-            parts.append((input_ids == self.config.video_token_id, slice(n_image, merged.shape[0]), "video",
-                          video_grid_thw))  # fmt: skip
-        elif merged.shape[0] > n_image:
-            raise ValueError("got pixel_values_videos but the model has no video_token_id (Config.video_token_id)")
-        idx_parts, rows_parts = [], []
-        for mask, span, what, grid in parts:
-            idx_parts.append(torch.nonzero(mask.reshape(-1)).squeeze(-1))
-            n = span.stop - span.start
-            if shard is not None:  # this rank holds pieces of every row: keep the features of its tokens
-                rows, next_BK = self._cp_feature_rows(mask, n, what)
-                rows_parts.append(span.start + rows)
-                if after_BKD is not None and n:
-                    # A piece's next token opens the next piece (another rank's): when it is of this kind, its
-                    # feature is the first of that piece, and every rank's tower made all of them.
-                    token = self.config.image_token_id if what == "image" else self.config.video_token_id
-                    feature_BKD = merged[(span.start + next_BK).clamp(max=merged.shape[0] - 1)].to(h_BTD.dtype)
-                    after_BKD = torch.where((ends_BK == token).unsqueeze(-1), feature_BKD, after_BKD)
-            else:
-                if idx_parts[-1].numel() != n:
-                    token = self.config.image_token_id if what == "image" else self.config.video_token_id
-                    raise ValueError(
-                        f"input_ids hold {idx_parts[-1].numel()} {what} tokens (id {token}) but {what}_grid_thw "
-                        f"{None if grid is None else grid.tolist()} gives {n} merged visual tokens: each {what} "
-                        "needs t*h*w/merge_size**2 placeholders"
-                    )
-                rows_parts.append(torch.arange(span.start, span.stop, device=merged.device))
-        idx = torch.cat(idx_parts)
-        rows = torch.cat(rows_parts)
-        if shard is not None or rows.numel() != merged.shape[0]:
+            if after_BK is not None:
+                feature_BKD = merged[after_BK.clamp(min=0)].to(h_BTD.dtype)
+                after_BKD = torch.where((after_BK >= 0).unsqueeze(-1), feature_BKD, after_BKD)
+        idx, rows = pos[0], pos[1]
+        if shard is not None or rows.numel() != merged.shape[0]:  # this rank's visual tokens only (shapes: no sync)
             merged, deep = merged[rows], [d[rows] for d in deep]
         h = h_BTD.reshape(B * T, D).index_copy(0, idx, merged.to(h_BTD.dtype)).view(B, T, D)
         return _Embedded(h, idx, [d.to(h_BTD.dtype) for d in deep], after_BKD)
 
-    def _cp_feature_rows(
-        self, mask_BT: torch.Tensor, total: int, what: str = "image"
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Indices into the batch's ``what`` features of this CP rank's ``what`` tokens (``mask_BT``), in local
-        order: row-major, and within a row piece by piece (``cp_shard``: one chunk, or two balanced pieces);
-        and ``[B, K]``: for each local piece of every row, the index of the first ``what`` feature of the NEXT
-        piece (the feature of its first token, if that is a ``what`` token; 0 after the row's last piece).
-
-        The features are in global sequence order, so a token's feature index is the number of ``what`` tokens
-        before it in the batch: one all-gather of every rank's per-piece counts finds it. Every rank of the CP
-        group calls this for images and for videos, whether or not its pieces hold any: the group's ranks share
-        one micro-batch, so the calls match."""
-        shard = self.cp_shard
-        B, T = mask_BT.shape
-        mine = shard.pieces_of(shard.rank)
-        counts_BK = mask_BT.reshape(B, len(mine), shard.piece_len(T)).sum(-1)  # tokens of every local piece
-        counts_RBK = shard.all_gather(counts_BK)  # [cp, B, local pieces]
-        holder = _piece_holders(shard)
-        counts_BP = torch.stack([counts_RBK[r, :, k] for r, k in holder], dim=1)  # [B, global pieces]
-        if int(counts_BP.sum()) != total:
-            token = self.config.image_token_id if what == "image" else self.config.video_token_id
-            raise ValueError(
-                f"the batch's rows hold {int(counts_BP.sum())} {what} tokens (id {token}) but "
-                f"{what}_grid_thw gives {total} merged visual tokens: each {what} needs t*h*w/merge_size**2 "
-                "placeholders"
-            )
-        # first feature of every piece of every row: all tokens of the rows before, then of the pieces before
-        start_BP = (torch.cumsum(counts_BP.reshape(-1), 0) - counts_BP.reshape(-1)).view(B, shard.n_pieces)
-        start, count = start_BP[:, list(mine)].reshape(-1).tolist(), counts_BP[:, list(mine)].reshape(-1).tolist()
-        device = mask_BT.device
-        pieces = [torch.arange(s, s + n, device=device) for s, n in zip(start, count)]
-        rows = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=device)
-        next_BK = torch.cat([start_BP, torch.zeros_like(start_BP[:, :1])], dim=1)[:, [p + 1 for p in mine]]
-        return rows, next_BK
-
     # ---- positions -------------------------------------------------------------------------------
 
     def mrope_positions(
-        self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-        video_grid_thw: torch.Tensor | None = None,
+        self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | Sequence[int] | None, video_grid_thw: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """int64 ``[3, B, T]`` M-RoPE positions, per document (rows, or ``cu_seqlens`` documents of the flat stream)."""
+        """int64 ``[3, B, T]`` M-RoPE positions, per document (rows, or ``cu_seqlens`` documents of the flat stream),
+        computed on the host (device inputs are read back: the collate gives the batch's ``position_ids``)."""
         B, T = input_ids.shape
         ids = input_ids.reshape(-1).cpu().numpy()
         c = self.config
@@ -332,7 +429,10 @@ class Qwen3VlMoeModel(Decoder):
 
         grids, videos = as_grids(image_grid_thw), as_grids(video_grid_thw)
         video_id = c.video_token_id if c.video_token_id >= 0 else None
-        bounds = cu_seqlens.tolist() if cu_seqlens is not None else list(range(0, B * T + 1, T))
+        if cu_seqlens is None:
+            bounds = list(range(0, B * T + 1, T))
+        else:
+            bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
         out = np.empty((3, B * T), np.int64)
         is_image = ids == c.image_token_id
         is_video = ids == c.video_token_id if video_id is not None else np.zeros_like(is_image)
@@ -358,7 +458,7 @@ class Qwen3VlMoeModel(Decoder):
                 f"input_ids hold {used} image-token run(s) and {used_frames} video frame group(s), but image_grid_thw "
                 f"has {len(grids)} image(s) and video_grid_thw {len(videos)} video(s)"
             )
-        return torch.from_numpy(out).view(3, B, T).to(input_ids.device)
+        return torch.as_tensor(out).view(3, B, T).to(input_ids.device)
 
     # ---- forward ---------------------------------------------------------------------------------
 
@@ -371,20 +471,14 @@ class Qwen3VlMoeModel(Decoder):
         input_ids: torch.Tensor,
         *,
         mtp_input_ids: torch.Tensor | None,
-        pixel_values: torch.Tensor | None = None,
-        image_grid_thw: torch.Tensor | None = None,
-        pixel_values_videos: torch.Tensor | None = None,
-        video_grid_thw: torch.Tensor | None = None,
-        **_: Any,
+        **inputs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
         """Text + visual embeddings, the MTP input, and the deepstack additions after the first layers: ``forward``'s
-        first step, and pipeline stage 0's (its deepstack layers all on stage 0: ``pipeline_first_stage_layers``)."""
+        first step, and pipeline stage 0's (its deepstack layers all on stage 0: ``pipeline_first_stage_layers``).
+        ``inputs``: the batch's ``input_keys`` (pixels, grids and the visual host facts); others are ignored."""
         mtp = self.config.mtp is not None and mtp_input_ids is not None
-        h, idx, deep, after = self._embed(
-            input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
-            pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw,
-            mtp_input_ids=mtp_input_ids if mtp else None,
-        )  # fmt: skip
+        visual = {k: inputs[k] for k in self.input_keys if k in inputs}
+        h, idx, deep, after = self._embed(input_ids, mtp_input_ids=mtp_input_ids if mtp else None, **visual)
         mtp_embeds = self._embed_next_tokens_with_visuals(mtp_input_ids, h, after) if mtp else None
         B, T, D = h.shape
 
@@ -409,30 +503,48 @@ class Qwen3VlMoeModel(Decoder):
         cu_seqlens_host: Sequence[int] | None = None,
         mtp_input_ids: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
+        visual_tokens: VisualTokens | None = None,
+        visual_index: torch.Tensor | None = None,
     ) -> torch.Tensor | ModelOutput:
         """``[B, T]`` ids (+ ``pixel_values [N, P]``, ``image_grid_thw [n, 3]``) -> logits ``[B, T, vocab]``.
         ``token_mask``: the batch's (False on padding, left out of the MoE router statistics; ``Decoder.forward``).
 
         ``position_ids``: ``[3, B, T]`` M-RoPE rows (or ``[B, T]``); None computes them from the grids.
+        ``visual_tokens``, ``visual_index``: the batch's visual host facts (``host_inputs``; the trainer adds them on
+        the host): with them (and ``position_ids``) the forward never syncs with the device; without them a direct
+        call reads ``input_ids`` and the grids back once (one copy) to make them.
         Returns ``ModelOutput(logits, aux_loss)`` when an MoE layer produced an auxiliary loss, and
         ``ModelOutput(logits, aux_loss, mtp_logits)`` with an MTP block (Qwen3.5-MoE VL) and ``mtp_input_ids``.
         A pipeline stage runs ``Decoder.forward_stage`` (every stage needs the batch's ``position_ids``).
         """
+        visual = dict(
+            pixel_values=pixel_values, image_grid_thw=image_grid_thw, pixel_values_videos=pixel_values_videos,
+            video_grid_thw=video_grid_thw, visual_tokens=visual_tokens, visual_index=visual_index,
+        )  # fmt: skip
         if self.pipeline_stage is not None:
             if position_ids is None:
                 raise ValueError("a pipeline stage needs the batch's M-RoPE position_ids: later stages hold no input_ids")
             return self.forward_stage(
                 input_ids, *carry, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                cu_seqlens_host=cu_seqlens_host, mtp_input_ids=mtp_input_ids, token_mask=token_mask,
-                pixel_values=pixel_values, image_grid_thw=image_grid_thw, pixel_values_videos=pixel_values_videos,
-                video_grid_thw=video_grid_thw,
+                cu_seqlens_host=cu_seqlens_host, mtp_input_ids=mtp_input_ids, token_mask=token_mask, **visual,
             )  # fmt: skip
-        if position_ids is None:
-            position_ids = self.mrope_positions(input_ids, image_grid_thw, cu_seqlens, video_grid_thw)
+        if self.cp_shard is None and (position_ids is None or (visual_tokens is None and _has_pixels(visual))):
+            # A direct call: ids, grids (and boundaries) read back to the host in one copy; the trainer's batches
+            # bring the M-RoPE rows (collate) and the host facts (host_inputs).
+            bounds = None if cu_seqlens_host is not None or cu_seqlens is None else cu_seqlens
+            host = _read_back({"input_ids": input_ids, "image_grid_thw": image_grid_thw,
+                               "video_grid_thw": video_grid_thw, "cu_seqlens": bounds})  # fmt: skip
+            if position_ids is None:
+                cu_host = cu_seqlens_host if cu_seqlens_host is not None else host["cu_seqlens"]
+                position_ids = self.mrope_positions(
+                    host["input_ids"], host["image_grid_thw"], cu_host, host["video_grid_thw"]
+                ).to(input_ids.device)
+            if visual_tokens is None:
+                visual.update(self.host_inputs({**host, "pixel_values": pixel_values,
+                                                "pixel_values_videos": pixel_values_videos}))  # fmt: skip
         h, mtp_embeds, after_layer = self.stage_inputs(  # the MTP input before the layers: h is still the embedding
-            input_ids, mtp_input_ids=mtp_input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
-            pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw,
-        )  # fmt: skip
+            input_ids, mtp_input_ids=mtp_input_ids, **visual
+        )
         meta = AttentionMeta(
             cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_host=cu_seqlens_host, token_mask=token_mask
         )
@@ -477,10 +589,22 @@ class Qwen3VlMoeModel(Decoder):
         return torch.where(next_visual.unsqueeze(-1), next_BTD.to(e_BTD.dtype), e_BTD)
 
 
-def _piece_holders(shard: CPShard) -> list[tuple[int, int]]:
-    """For every global piece of a row, in order: ``(rank, local index)`` of the CP rank that holds it."""
-    holder = {p: (r, k) for r in range(shard.size) for k, p in enumerate(shard.pieces_of(r))}
-    return [holder[p] for p in range(shard.n_pieces)]
+def _has_pixels(inputs: Mapping[str, Any]) -> bool:
+    """Whether the inputs hold pixels with their grids (as ``host_inputs`` and ``_vision`` decide)."""
+    pairs = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
+    return any(inputs.get(pv) is not None and inputs.get(g) is not None and inputs[g].numel() > 0 for pv, g in pairs)
+
+
+def _read_back(tensors: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+    """Host copies of small integer device tensors in ONE device-to-host copy (one sync): flattened into one int64
+    tensor, copied, cut back into their shapes."""
+    present = {k: t for k, t in tensors.items() if t is not None}
+    if not present:
+        return dict(tensors)
+    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in present.values()]).cpu()
+    pieces = torch.split(flat, [t.numel() for t in present.values()])
+    out = {k: p.view(t.shape) for (k, t), p in zip(present.items(), pieces)}
+    return {k: out.get(k) for k in tensors}
 
 
 # ---- builders --------------------------------------------------------------------------------------

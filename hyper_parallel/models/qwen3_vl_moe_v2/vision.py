@@ -22,6 +22,12 @@ Geometry (HF ``vision_utils``): patch ``i`` of a frame of an image with grid ``(
 ``(r, c)`` decoded from merge-block order ``(h/m, w/m, m, m)``; the learned ``side x side`` position
 table is resampled bilinearly with ``align_corners=True`` (edges map to edges) at ``(r, c)``; the rotary
 angles are ``[r * inv_freq | c * inv_freq]`` twice over the head dim, applied in fp32.
+
+No block reads the geometry back from the device: :class:`VisionPlan` (grids, frame boundaries, the SDPA
+path's frame-length groups) is made on the host from Python ints, and its per-patch tables are copied to the
+device once per micro-batch (:class:`VisionGrid`; the VL model's ``host_inputs`` makes both with the batch).
+Under torch.compile the SDPA path runs as the custom op ``hyper_parallel::vision_frame_attention`` (host frame
+boundaries as a host tensor), so a block compiles once for every image geometry.
 """
 
 from __future__ import annotations
@@ -32,11 +38,13 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hyper_parallel.models.common.embedding import Embedding
+from hyper_parallel.models.common.flops import attention_flops, matmul_flops
 from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.rope import apply_rotary_emb
 from hyper_parallel.protocols.module import Module, ModuleList
@@ -61,8 +69,10 @@ __all__ = [
     "VisionBlock",
     "VisionGrid",
     "VisionMLP",
+    "VisionPlan",
     "VisionRotaryEmbedding",
     "VisionTower",
+    "frame_groups",
     "vision_tower_config",
     "vision_tower_config_from_hf",
     "vision_tower_config_to_hf",
@@ -155,31 +165,39 @@ class VisionRotaryEmbedding(Module):
         return emb.cos(), emb.sin()
 
 
-@dataclass(frozen=True, slots=True)
-class VisionGrid:
-    """Per-forward geometry of a batch of images (built once from ``grid_thw``, shared by every block)."""
+def frame_groups(cu_seqlens: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """``(frame length, frames)`` per distinct frame length of the boundaries ``cu_seqlens``, in order of first
+    appearance: the SDPA path runs one batched call per entry, over the patches ``VisionGrid.order`` lists for it."""
+    counts: dict[int, int] = {}
+    for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        counts[b - a] = counts.get(b - a, 0) + 1
+    return tuple(counts.items())
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class VisionPlan:
+    """The host facts of one micro-batch's images (and video frames): Python ints and host tensors, made once on
+    the host (``Qwen3VlMoeModel.host_inputs``, or :meth:`VisionGrid.from_grid_thw` for a direct call), so no layer
+    reads the geometry back from the device. The per-patch tables are :meth:`tables`; plans compare by identity."""
 
     grids: tuple[tuple[int, int, int], ...]
-    """``(t, h, w)`` per image, in patches."""
-    rows: torch.Tensor
-    """int64 ``[N]``: patch row inside its frame."""
-    cols: torch.Tensor
-    """int64 ``[N]``: patch column inside its frame."""
-    heights: torch.Tensor
-    """int64 ``[N]``: grid height ``h`` of the patch's image."""
-    widths: torch.Tensor
-    """int64 ``[N]``: grid width ``w`` of the patch's image."""
-    cu_seqlens: torch.Tensor
-    """int32 ``[F+1]`` frame boundaries over the N patches (one attention segment per frame)."""
-    cu_seqlens_host: tuple[int, ...]
-    """The same boundaries as Python ints."""
+    """``(t, h, w)`` per image (images first, then videos), in patches."""
+    merge_size: int
+    """m: the spatial merge size the grids were validated for."""
+    cu_seqlens: tuple[int, ...]
+    """Frame boundaries over the N patches (one attention segment per frame)."""
     max_seqlen: int
     """Patches of the largest frame."""
+    groups: tuple[tuple[int, int], ...]
+    """``frame_groups(cu_seqlens)``: ``(frame length, frames)`` per distinct length, in the patch ``order``."""
+    cu_seqlens_cpu: torch.Tensor
+    """int32 ``[F+1]``: ``cu_seqlens`` as a HOST tensor, the compiled SDPA path's custom op reads it (FSDP moves no
+    tensor held by a dataclass, so it stays on the host)."""
 
     @classmethod
-    def from_grid_thw(cls, grid_thw: torch.Tensor | Sequence[Sequence[int]], merge_size: int,
-                      device: torch.device | None = None) -> VisionGrid:  # fmt: skip
-        """Validate the grids (positive, ``h`` and ``w`` multiples of ``merge_size``) and decode every patch."""
+    def from_grids(cls, grid_thw: torch.Tensor | Sequence[Sequence[int]], merge_size: int) -> VisionPlan:
+        """Validate the grids (positive, ``h`` and ``w`` multiples of ``merge_size``). ``grid_thw`` on the host (a
+        device tensor is read back here: one sync, the direct-call path only)."""
         rows_in = grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else [list(g) for g in grid_thw]
         grids: list[tuple[int, int, int]] = []
         for i, g in enumerate(rows_in):
@@ -194,36 +212,101 @@ class VisionGrid:
             grids.append((t, h, w))
         if not grids:
             raise ValueError("grid_thw is empty: give at least one image grid")
-        counts = torch.tensor([t * h * w for t, h, w in grids], device=device)
-        n = int(sum(t * h * w for t, h, w in grids))
-        heights = torch.tensor([h for _, h, _ in grids], device=device).repeat_interleave(counts)
-        widths = torch.tensor([w for _, _, w in grids], device=device).repeat_interleave(counts)
-        first = torch.cumsum(counts, 0) - counts
-        # Index inside the patch's frame (frames of one image repeat the same layout).
-        local = (torch.arange(n, device=device) - first.repeat_interleave(counts)) % (heights * widths)
-        m = merge_size
-        block, inner = local // (m * m), local % (m * m)
-        blocks_per_row = widths // m
-        rows = (block // blocks_per_row) * m + inner // m
-        cols = (block % blocks_per_row) * m + inner % m
-        frames = [h * w for t, h, w in grids for _ in range(t)]
         cu = [0]
-        for length in frames:
-            cu.append(cu[-1] + length)
+        for t, h, w in grids:
+            base = cu[-1]
+            cu.extend(base + h * w * (k + 1) for k in range(t))
         return cls(
             grids=tuple(grids),
-            rows=rows,
-            cols=cols,
-            heights=heights,
-            widths=widths,
-            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
-            cu_seqlens_host=tuple(cu),
-            max_seqlen=max(frames),
+            merge_size=merge_size,
+            cu_seqlens=tuple(cu),
+            max_seqlen=max(h * w for _, h, w in grids),
+            groups=frame_groups(cu),
+            cu_seqlens_cpu=torch.as_tensor(np.asarray(cu, dtype=np.int32)),
         )
 
     @property
     def num_patches(self) -> int:
-        return self.cu_seqlens_host[-1]
+        return self.cu_seqlens[-1]
+
+    def tables(self) -> torch.Tensor:
+        """int64 ``[5, N]`` on the host: every patch's row and column inside its frame (decoded from merge-block
+        order ``(h/m, w/m, m, m)``), its image's grid height and width, and the patch ``order`` of the SDPA path
+        (the patches of the frames of ``groups[0]``'s length, then ``groups[1]``'s, ...)."""
+        m = self.merge_size
+        parts = []
+        for t, h, w in self.grids:
+            block, inner = np.divmod(np.arange(h * w), m * m)
+            rows = (block // (w // m)) * m + inner // m
+            cols = (block % (w // m)) * m + inner % m
+            frame = np.stack([rows, cols, np.full(h * w, h), np.full(h * w, w)])
+            parts.append(np.tile(frame, (1, t)))  # the frames of one image repeat the same layout
+        cu = self.cu_seqlens
+        starts: dict[int, list[int]] = {}
+        for a, b in zip(cu[:-1], cu[1:]):
+            starts.setdefault(b - a, []).append(a)
+        order = np.concatenate([np.arange(a, a + n) for n, s in starts.items() for a in s])
+        geometry = np.concatenate(parts, axis=1)
+        return torch.as_tensor(np.concatenate([geometry, order[None]], axis=0).astype(np.int64))
+
+
+@dataclass(frozen=True, slots=True)
+class VisionGrid:
+    """Per-forward geometry of a batch of images on the compute device, shared by every block: the host ``plan``
+    and the device tensors made from its tables once per micro-batch (copied from the host, never read back)."""
+
+    plan: VisionPlan
+    """The host facts (grids, frame boundaries, SDPA groups)."""
+    rows: torch.Tensor
+    """int64 ``[N]``: patch row inside its frame."""
+    cols: torch.Tensor
+    """int64 ``[N]``: patch column inside its frame."""
+    heights: torch.Tensor
+    """int64 ``[N]``: grid height ``h`` of the patch's image."""
+    widths: torch.Tensor
+    """int64 ``[N]``: grid width ``w`` of the patch's image."""
+    order: torch.Tensor
+    """int64 ``[N]``: the patches grouped by frame length (``plan.groups``), for the SDPA path."""
+    cu_seqlens: torch.Tensor
+    """int32 ``[F+1]`` frame boundaries on the device (the varlen kernels' argument)."""
+
+    @classmethod
+    def from_plan(
+        cls, plan: VisionPlan, tables: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+        device: torch.device | None = None,
+    ) -> VisionGrid:  # fmt: skip
+        """The device geometry of ``plan``: ``tables`` (``plan.tables()``) and ``cu_seqlens`` as already copied to
+        the device with the batch, else copied here from the host (``non_blocking``, once per micro-batch)."""
+        if tables is None:
+            tables = plan.tables()
+        if cu_seqlens is None:
+            cu_seqlens = plan.cu_seqlens_cpu
+        if device is not None:
+            tables, cu_seqlens = (x.to(device, non_blocking=True) for x in (tables, cu_seqlens))
+        rows, cols, heights, widths, order = tables.unbind(0)
+        return cls(plan, rows, cols, heights, widths, order, cu_seqlens)
+
+    @classmethod
+    def from_grid_thw(cls, grid_thw: torch.Tensor | Sequence[Sequence[int]], merge_size: int,
+                      device: torch.device | None = None) -> VisionGrid:  # fmt: skip
+        """Validate the grids and decode every patch (see :class:`VisionPlan`), tables on ``device``."""
+        return cls.from_plan(VisionPlan.from_grids(grid_thw, merge_size), device=device)
+
+    @property
+    def grids(self) -> tuple[tuple[int, int, int], ...]:
+        return self.plan.grids
+
+    @property
+    def cu_seqlens_host(self) -> tuple[int, ...]:
+        return self.plan.cu_seqlens
+
+    @property
+    def max_seqlen(self) -> int:
+        return self.plan.max_seqlen
+
+    @property
+    def num_patches(self) -> int:
+        return self.plan.num_patches
 
     def bilinear_taps(self, side: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Indices ``[N, 4]`` into a flattened ``side x side`` table and fp32 weights ``[N, 4]``.
@@ -246,6 +329,134 @@ class VisionGrid:
         return idx, weights
 
 
+# ---- the SDPA path: one batched SDPA call per distinct frame length -------------------------------------------
+# Eager runs `_frame_sdpa` (autograd through SDPA). Under torch.compile the same grouping runs inside the custom op
+# `hyper_parallel::vision_frame_attention` (opaque to dynamo): its Python loop depends on the frame lengths, which
+# would otherwise be baked into the graph and recompile for every new image geometry. The op takes the host
+# boundaries as a host tensor (no sync) and the patch order as a device tensor (made once per micro-batch); its
+# backward calls SDPA's own backward kernel with the saved log-sum-exp (CPU: the flash kernel eager SDPA picks too,
+# so eager and compiled runs agree bit for bit).
+
+
+def _frame_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Sequence[tuple[int, int]],
+                order: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+    """q, k, v ``[H, N, d]`` -> ``[N, H, d]``: SDPA within each frame, one 4-D call per frame length."""
+    H, N, d = q.shape
+    if len(groups) == 1:  # every frame has the same size: a view, no gather
+        L, S = groups[0]
+
+        def frames(x: torch.Tensor) -> torch.Tensor:
+            return x.view(H, S, L, d).transpose(0, 1)
+
+        o = F.scaled_dot_product_attention(frames(q), frames(k), frames(v), scale=scale)  # [S, H, L, d]
+        return o.permute(0, 2, 1, 3).reshape(N, H, d)
+    out = q.new_empty(N, H, d)
+    offset = 0
+    for L, S in groups:
+        # [S, L] patches of the S frames of this length (host-made order: no index built here)
+        idx = order[offset : offset + S * L]
+        offset += S * L
+
+        def gather(x: torch.Tensor) -> torch.Tensor:
+            return x[:, idx].view(H, S, L, d).transpose(0, 1)
+
+        o = F.scaled_dot_product_attention(gather(q), gather(k), gather(v), scale=scale)  # [S, H, L, d]
+        out[idx] = o.permute(0, 2, 1, 3).reshape(S * L, H, d)
+    return out
+
+
+def _group_slices(cu_seqlens_cpu: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(frame length L, frames S, offset into order)`` per group, from the HOST boundaries."""
+    out, offset = [], 0
+    for L, S in frame_groups(cu_seqlens_cpu.tolist()):  # a host tensor: no device sync
+        out.append((L, S, offset))
+        offset += L * S
+    return out
+
+
+@torch.library.custom_op("hyper_parallel::vision_frame_attention", mutates_args=())
+def _frame_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_cpu: torch.Tensor,
+                        order: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(out [N, H, d], logsumexp [N, H] fp32)`` of q, k, v ``[H, N, d]`` (the compiled SDPA path)."""
+    H, N, d = q.shape
+    out = q.new_empty(N, H, d)
+    lse = q.new_empty(N, H, dtype=torch.float32)
+    for L, S, offset in _group_slices(cu_seqlens_cpu):
+        idx = order[offset : offset + S * L]
+
+        def gather(x: torch.Tensor) -> torch.Tensor:
+            return x[:, idx].view(H, S, L, d).transpose(0, 1)
+
+        if q.device.type == "cpu":  # the kernel eager SDPA runs on 4-D CPU inputs; it returns the log-sum-exp
+            o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                gather(q), gather(k), gather(v), 0.0, False, scale=scale
+            )
+            lse[idx] = m.permute(0, 2, 1).reshape(S * L, H).float()
+        else:  # forward only (see the backward)
+            o = F.scaled_dot_product_attention(gather(q), gather(k), gather(v), scale=scale)
+        out[idx] = o.permute(0, 2, 1, 3).reshape(S * L, H, d)
+    return out, lse
+
+
+@_frame_attention_op.register_fake
+def _(q, k, v, cu_seqlens_cpu, order, scale):  # noqa: ANN001, ANN202
+    H, N, d = q.shape
+    return q.new_empty(N, H, d), q.new_empty(N, H, dtype=torch.float32)
+
+
+@torch.library.custom_op("hyper_parallel::vision_frame_attention_backward", mutates_args=())
+def _frame_attention_backward_op(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    cu_seqlens_cpu: torch.Tensor, order: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` ``[H, N, d]``: SDPA's backward kernel per frame length, from the saved output and lse."""
+    if q.device.type != "cpu":
+        raise NotImplementedError(
+            f"the compiled SDPA path of the vision tower trains on CPU only (inputs on {q.device}, {q.dtype}); on a "
+            "GPU run the tower in fp16/bf16 (the flash/varlen kernels), or without --compile.fullgraph"
+        )
+    H, N, d = q.shape
+    grads = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)]
+    for L, S, offset in _group_slices(cu_seqlens_cpu):
+        idx = order[offset : offset + S * L]
+
+        def gather(x: torch.Tensor) -> torch.Tensor:
+            return x[:, idx].view(H, S, L, d).transpose(0, 1)
+
+        def rows(x: torch.Tensor) -> torch.Tensor:  # [N, H, ...] patch-major -> [S, H, L, ...]
+            return x[idx].view(S, L, H, *x.shape[2:]).transpose(1, 2)
+
+        d_qkv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            rows(grad_out), gather(q), gather(k), gather(v), rows(out), rows(lse).to(torch.float32), 0.0, False,
+            scale=scale,
+        )  # fmt: skip
+        for g, dx in zip(grads, d_qkv):
+            g[:, idx] = dx.transpose(0, 1).reshape(H, S * L, d)
+    return tuple(grads)
+
+
+@_frame_attention_backward_op.register_fake
+def _(grad_out, q, k, v, out, lse, cu_seqlens_cpu, order, scale):  # noqa: ANN001, ANN202
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+
+
+def _frame_attention_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    q, k, v, cu_seqlens_cpu, order, scale = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_seqlens_cpu, order)
+    ctx.scale = scale
+    ctx.mark_non_differentiable(output[1])
+
+
+def _frame_attention_backward(ctx: Any, grad_out: torch.Tensor, _grad_lse: torch.Tensor) -> tuple[Any, ...]:
+    q, k, v, out, lse, cu_seqlens_cpu, order = ctx.saved_tensors
+    dq, dk, dv = _frame_attention_backward_op(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens_cpu, order,
+                                              ctx.scale)  # fmt: skip
+    return dq, dk, dv, None, None, None
+
+
+_frame_attention_op.register_autograd(_frame_attention_backward, setup_context=_frame_attention_setup)
+
+
 class BidirectionalAttention(Module):
     """Non-causal ``softmax(q k^T * scale) v`` inside each segment (an image frame), zero across segments.
 
@@ -253,7 +464,8 @@ class BidirectionalAttention(Module):
     - ``flash``: ``flash_attn_varlen_func(causal=False)`` (CUDA fp16/bf16; import guarded).
     - ``varlen``: torch's ``varlen_attn`` with ``window_size=(-1, -1)`` (no mask; CUDA fp16/bf16, torch >= 2.10).
     - ``sdpa``: one batched 4-D SDPA call per distinct segment length (frames of equal size share a call;
-      SDPA's fused kernels take 4-D inputs only).
+      SDPA's fused kernels take 4-D inputs only); under torch.compile inside a custom op, so a new image
+      geometry does not recompile.
     - ``auto``: flash, else varlen, when the inputs are CUDA fp16/bf16; else sdpa.
     """
 
@@ -284,45 +496,17 @@ class BidirectionalAttention(Module):
         """q, k, v ``[H, N, d]`` -> ``[N, H, d]``."""
         kernel = self._kernel(q_HNd)
         if kernel == "sdpa":
-            return self._sdpa(q_HNd, k_HNd, v_HNd, scale, grid.cu_seqlens_host)
+            if torch.compiler.is_compiling():  # one graph for every image geometry (see _frame_attention_op)
+                return _frame_attention_op(q_HNd, k_HNd, v_HNd, grid.plan.cu_seqlens_cpu, grid.order, scale)[0]
+            return _frame_sdpa(q_HNd, k_HNd, v_HNd, grid.plan.groups, grid.order, scale)
         q, k, v = (x.transpose(0, 1).contiguous() for x in (q_HNd, k_HNd, v_HNd))  # [N, H, d]
-        cu, longest = grid.cu_seqlens.to(q.device), grid.max_seqlen
+        cu, longest = grid.cu_seqlens, grid.max_seqlen  # on the device already (made once per micro-batch)
         if kernel == "flash":
             return flash_attn_varlen_func(
                 q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
                 softmax_scale=scale, causal=False, deterministic=torch.are_deterministic_algorithms_enabled(),
             )  # fmt: skip
         return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, -1))
-
-    @staticmethod
-    def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cu: Sequence[int]) -> torch.Tensor:
-        H, N, d = q.shape
-        if len(cu) == 2:  # one segment: no gather
-            out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale)[0]
-            return out.transpose(0, 1)
-        by_length: dict[int, list[int]] = {}
-        for start, end in zip(cu[:-1], cu[1:]):
-            by_length.setdefault(end - start, []).append(start)
-        if len(by_length) == 1:  # every frame has the same size: a view, no gather
-            S = len(cu) - 1
-
-            def frames(x: torch.Tensor) -> torch.Tensor:
-                return x.view(H, S, N // S, d).transpose(0, 1)
-
-            o = F.scaled_dot_product_attention(frames(q), frames(k), frames(v), scale=scale)  # [S, H, L, d]
-            return o.permute(0, 2, 1, 3).reshape(N, H, d)
-        out = q.new_empty(N, H, d)
-        for length, starts in by_length.items():
-            # [S, L] token indices of the S segments of this length -> one [S, H, L, d] SDPA call.
-            idx = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).flatten()
-            S = len(starts)
-
-            def gather(x: torch.Tensor) -> torch.Tensor:
-                return x[:, idx].view(H, S, length, d).transpose(0, 1)
-
-            o = F.scaled_dot_product_attention(gather(q), gather(k), gather(v), scale=scale)  # [S, H, L, d]
-            out[idx] = o.permute(0, 2, 1, 3).reshape(S * length, H, d)
-        return out
 
 
 class VisionAttention(Module):
@@ -517,8 +701,30 @@ class VisionTower(Module):
         # Block index -> its deepstack merger; features come out in block order (as HF appends them).
         self._deepstack_at = {layer: j for j, layer in enumerate(indexes)}
 
-    def grid(self, grid_thw: torch.Tensor | Sequence[Sequence[int]], device: torch.device | None = None) -> VisionGrid:
-        """The per-forward geometry of ``grid_thw`` (``[n_images, 3]``, ``(t, h, w)`` in patches)."""
+    def flops(self, grids: Sequence[Sequence[int]]) -> float:
+        """Training FLOPs of the tower on images of these ``(t, h, w)`` patch grids (``models/common/flops.py``): the
+        patch projection (pixels need no gradient), every block on every patch with attention bidirectional inside
+        each frame (``h * w`` patches), the mergers on the merged tokens. Forward only when the tower is frozen."""
+        frames = [int(h) * int(w) for t, h, w in grids for _ in range(int(t))]
+        n, m = sum(frames), sum(frames) // self.config.spatial_merge_size**2
+        backward = any(p.requires_grad for p in self.parameters())
+        total = matmul_flops(self.patch_embed, n, input_grad=False, backward=backward)
+        for block in self.blocks:
+            total += matmul_flops(block, n, backward=backward)
+            attn = block.attn
+            pairs = attention_flops(frames, heads=attn.config.n_heads, qk_dim=attn.head_dim, v_dim=attn.head_dim,
+                                    causal=False)  # fmt: skip
+            total += pairs if backward else pairs / 3.0
+        for merger in (self.merger, *self.deepstack_merger_list):
+            total += matmul_flops(merger, m, backward=backward)
+        return total
+
+    def grid(self, grid_thw: torch.Tensor | Sequence[Sequence[int]] | VisionPlan,
+             device: torch.device | None = None) -> VisionGrid:  # fmt: skip
+        """The per-forward geometry of ``grid_thw`` (``[n_images, 3]``, ``(t, h, w)`` in patches, or a host
+        :class:`VisionPlan`), its tables copied to ``device``."""
+        if isinstance(grid_thw, VisionPlan):
+            return VisionGrid.from_plan(grid_thw, device=device)
         return VisionGrid.from_grid_thw(grid_thw, self.config.spatial_merge_size, device=device)
 
     def position_embedding(self, grid: VisionGrid, dtype: torch.dtype) -> torch.Tensor:
@@ -534,11 +740,12 @@ class VisionTower(Module):
         return pos.to(dtype)
 
     def forward(
-        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence[Sequence[int]] | VisionGrid
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence[Sequence[int]] | VisionPlan | VisionGrid
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``pixel_values [N, P]``, ``grid_thw [n_images, 3]`` -> ``(merged [N/m^2, O], deepstack features)``.
 
-        ``grid_thw`` may be a prebuilt :class:`VisionGrid` (e.g. built once per micro-batch by the parent).
+        ``grid_thw`` may be a prebuilt :class:`VisionGrid` (built once per micro-batch by the parent from its host
+        :class:`VisionPlan`: no sync) or a plan; a tensor is read back to the host here (one sync per forward).
         """
         grid = grid_thw if isinstance(grid_thw, VisionGrid) else self.grid(grid_thw, device=pixel_values.device)
         if pixel_values.ndim != 2 or pixel_values.shape != (grid.num_patches, self.patch_dim):

@@ -169,6 +169,7 @@ def _train(model, family: str, steps: int, pd: ParallelDims | None) -> dict[str,
     out: dict[str, Any] = {"losses": [], "mtp_losses": [], "balanced": shard is not None and shard.balanced}
     for step in range(steps):
         whole = batch(family, step)
+        whole = {**whole, **model.host_inputs(whole)}  # the model's host facts, before the split (as the trainer)
         n_tokens = int((whole["labels"] != -100).sum())
         mb = split_batch_for_cp(whole, cp_rank, cp, split_inputs=type(model).split_inputs_for_cp, model_keys=keys,
                                 balanced=out["balanced"])  # fmt: skip

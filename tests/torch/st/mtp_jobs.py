@@ -58,6 +58,7 @@ def _train(model, steps: int, pd: ParallelDims | None, family: str) -> dict[str,
         rows = jobs.global_rows(step)
         per = len(rows) // dp
         mb = add_mtp_targets(jobs.micro_batch(rows[dp_rank * per : (dp_rank + 1) * per]))
+        mb = {**mb, **model.host_inputs(mb)}  # the model's host facts, before the split (as the trainer)
         mb = split_batch_for_cp(
             mb, cp_rank, cp, split_inputs=type(model).split_inputs_for_cp, model_keys=keys,
             balanced=shard is not None and shard.balanced,

@@ -177,6 +177,7 @@ def _train(model, steps: int, pd: ParallelDims | None, video: bool = False) -> d
         rows = global_rows(step, video)
         per = len(rows) // dp
         mb = micro_batch(step, rows[dp_rank * per : (dp_rank + 1) * per], dp_rank * per)
+        mb = {**mb, **model.host_inputs(mb)}  # the model's host facts, before the split (as the trainer)
         # a CP rank takes a chunk of every row ([3, B, T] positions too); pixels and grids stay whole
         mb = split_batch_for_cp(mb, cp_rank, cp, split_inputs=Qwen3VlMoeModel.split_inputs_for_cp,
                                 model_keys=Qwen3VlMoeModel.input_keys)  # fmt: skip
@@ -200,7 +201,7 @@ def _forward_loss(model, mb: dict[str, Any], num_tokens: int, loss_fn) -> torch.
     logits, aux = split_output(
         model(mb["input_ids"], position_ids=mb["position_ids"], cu_seqlens=mb["cu_seqlens"],
               max_seqlen=mb["max_seqlen"], pixel_values=mb["pixel_values"], image_grid_thw=mb["image_grid_thw"],
-              **videos)
+              **videos, **{k: mb[k] for k in ("visual_tokens", "visual_index") if k in mb})
     )  # fmt: skip
     assert aux is None
     return loss_fn(logits, mb["labels"], num_tokens=num_tokens)

@@ -30,7 +30,7 @@ LAYOUTS = [
     Layout(world=8, dp_shard=2, tp=2, cp=2),  # FSDP 2 x TP 2 x CP 2
     Layout(world=2, ac="full"),  # FSDP 2, every layer recomputed
     Layout(world=4, tp=2, ac="selective"),  # FSDP 2 x TP 2, layers 0 and 2 recomputed
-    Layout(world=4, tp=2, param_dtype="bfloat16"),  # FSDP mixed precision (fp32 router units), loose bound
+    Layout(world=4, tp=2, param_dtype="bfloat16"),  # FSDP mixed precision (routers compute in fp32), loose bound
 ]
 
 

@@ -104,7 +104,7 @@ def test_bad_conversations_named_or_skipped_and_counted(qwen_folder, tmp_path, c
     path = _jsonl(tmp_path / "c.jsonl", [CHATS[0], row, CHATS[1]])
     with pytest.raises(BadSampleError) as e:
         _text_loader(path, str(qwen_folder), tmp_path / "cache")
-    assert f"[{kind}]" in str(e.value) and "c.jsonl" in str(e.value) and "row 1" in str(e.value)
+    assert f"[{kind}]" in str(e.value) and "c.jsonl" in str(e.value) and "line 2" in str(e.value)
     loader = _text_loader(path, str(qwen_folder), tmp_path / "cache", on_bad_sample="skip")
     tok = HuggingFaceTokenizer.from_folder(qwen_folder)
     docs = _documents(loader.next_step()[0])
@@ -124,7 +124,7 @@ def test_long_conversations_drop_or_cut(qwen_folder, tmp_path):
     n_all = len(tok.encode(tok.apply_chat_template(turns), add_special_tokens=False))
     budget = n_first + 4
     assert n_first < budget < n_all
-    with pytest.raises(BadSampleError, match=r"row 1.*\[too_long\]"):
+    with pytest.raises(BadSampleError, match=r"line 2.*\[too_long\]"):
         _text_loader(path, str(qwen_folder), tmp_path / "cache", max_tokens=budget)
     drop = _text_loader(path, str(qwen_folder), tmp_path / "cache", max_tokens=budget, on_bad_sample="skip")
     drop.next_step()

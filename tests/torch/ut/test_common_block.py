@@ -122,7 +122,7 @@ def test_decoder_nparams_and_flops():
     moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
     experts = sum(p.numel() for moe in moes for p in moe.experts.parameters())
     active = total - 256 * 64 - experts * (1 - 2 / 4)  # top-2 of 4 experts
-    attention = 3 * 6 * 4 * (24 + 16) * 128
+    attention = 3 * 6 * 4 * (24 + 16) * (128 + 1) / 2  # 3 layers, causal: 6 (d_qk + d_v) per pair, L(L+1)/2 pairs
     assert flops == pytest.approx(6 * active + attention)
 
 

@@ -139,7 +139,7 @@ def test_bad_records_error_or_skip(tmp_path, toy, case):
     line, kind = BAD_ROWS[case]
     path = tmp_path / "data.jsonl"
     _write_jsonl(path, [{"text": f"the baker sells {i} loaves of bread."} for i in range(6)] + [line] + [{"text": "the end."}])
-    with pytest.raises(BadSampleError, match=rf"file '{path}', row 6.*\[{kind}\].*on_bad_sample skip"):
+    with pytest.raises(BadSampleError, match=rf"file '{path}', line 7.*\[{kind}\].*on_bad_sample skip"):
         _text(tmp_path / "cache", str(path), tokenizer=toy.tokenizer_dir).build(model_facts={"vocab_size": 512})
     loader = _text(tmp_path / "cache", str(path), tokenizer=toy.tokenizer_dir, on_bad_sample="skip").build(
         model_facts={"vocab_size": 512}
@@ -154,7 +154,7 @@ def test_over_long_documents_error_skip_or_split(tmp_path, toy):
     long_text = " ".join(f"the queen walks {i} miles by the sea." for i in range(40))  # far over 128 tokens
     _write_jsonl(path, [{"text": "short one."}, {"text": long_text}, {"text": "short two."}])
     facts = {"vocab_size": 512}
-    with pytest.raises(BadSampleError, match=rf"exceed the packing budget.*file '{path}', row 1.*\[too_long\]"):
+    with pytest.raises(BadSampleError, match=rf"exceed the packing budget.*file '{path}', line 2.*\[too_long\]"):
         _text(tmp_path / "cache", str(path), tokenizer=toy.tokenizer_dir).build(model_facts=facts)
     skip = _text(tmp_path / "cache", str(path), tokenizer=toy.tokenizer_dir, on_bad_sample="skip").build(model_facts=facts)
     ids = np.concatenate([mb["input_ids"].view(-1).numpy() for mb in skip.next_step()])

@@ -290,7 +290,7 @@ def _recipes(debug: bool) -> list[tuple[str, str]]:
 @pytest.mark.parametrize(
     "layout",
     [
-        # bf16 compute (MoE routers become fp32 FSDP units of their own) with the family's EP placements
+        # bf16 compute (routers compute in fp32 inside their layer's unit) with the family's EP placements
         pytest.param(["--world_size", "2", "--parallelism.expert_parallel_degree", "2", *BF16], id="ep2_bf16"),
         pytest.param(["--world_size", "2"], id="fsdp2", marks=pytest.mark.slow),
         pytest.param(

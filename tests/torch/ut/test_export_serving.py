@@ -22,6 +22,7 @@ source only and copies nothing else.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -320,9 +321,10 @@ def test_other_folder_forms_are_kept(form):
     elif form == "glm_image_moe":
         d = _glm_image_form()
         assert _place_problems(d, glm_image_moe_v2.config_to_hf(glm_image_moe_v2.config_from_hf(copy.deepcopy(d)))) == []
-    else:  # the GlmImageMoe form of a Glm4MoeLite folder: every key of it in text_config
+    else:  # the GlmImageMoe form of a Glm4MoeLite folder that grew an image path: every key of it in text_config
         d = json.loads((RELEASED / "glm_4_7_flash.json").read_text())
-        out = glm_image_moe_v2.config_to_hf(glm_image_moe_v2.config_from_hf(copy.deepcopy(d)))
+        grown = dataclasses.replace(glm_image_moe_v2.config_from_hf(copy.deepcopy(d)), image_path=True)
+        out = glm_image_moe_v2.config_to_hf(grown)
         lite = {k: v for k, v in d.items() if k not in ("architectures",)}
         assert out["architectures"] == ["GlmImageMoeForConditionalGeneration"]
         assert _place_problems(lite, out["text_config"]) == []

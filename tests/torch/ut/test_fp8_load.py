@@ -354,7 +354,9 @@ def test_fp8_release_loads_to_the_dequantized_model_and_exports_dense(tmp_path, 
     assert exported[key].dtype == torch.bfloat16  # the release's declared dtype (its dense form)
     assert torch.equal(exported[key], ref_sd[ref_key].to(torch.bfloat16))
     back = package.from_pretrained(tmp_path / "export").state_dict()  # the export reads back as the same model
-    assert all(torch.equal(part(back[k]), part(b[k])) for k, part in loaded.items())
+    # GLM's save_pretrained writes the folder's declared dtype by default (bf16; issue 41), Qwen's the training dtype
+    rounded = (lambda t: t.to(torch.bfloat16).to(t.dtype)) if family == "glm4_moe_lite" else (lambda t: t)
+    assert all(torch.equal(part(back[k]), rounded(part(b[k]))) for k, part in loaded.items())
 
 
 # ---- what is refused, and how ---------------------------------------------------------------------------

@@ -63,7 +63,7 @@ def test_logits_and_grads_match_hf(tmp_path, variant):
 
     hf_logits = hf(input_ids=ids, use_cache=False).logits
     our_logits = ours(ids)
-    assert our_logits.shape == (2, 12, V + ours.config.codebook_size)
+    assert our_logits.shape == (2, 12, V)  # a Glm4MoeLite folder is a model without image path
     assert (our_logits[..., :V] - hf_logits).abs().max().item() <= 1e-5
 
     _ce(hf_logits, ids).backward()
@@ -97,7 +97,7 @@ def test_packed_rows_match_hf_block_diagonal(tmp_path):
 def test_roundtrip_hf_ours_hf_is_bit_exact(tmp_path):
     hf = _hf_model()
     hf.save_pretrained(tmp_path / "hf")
-    first = from_pretrained(tmp_path / "hf")
+    first = from_pretrained(tmp_path / "hf", image_path=True)  # grown: the GlmImageMoe form
     save_pretrained(first, tmp_path / "ours", max_shard_size="40KB")  # sharded with an index
     assert (tmp_path / "ours" / "model.safetensors.index.json").is_file()
     cfg = json.loads((tmp_path / "ours" / "config.json").read_text())
@@ -118,7 +118,7 @@ def test_roundtrip_hf_ours_hf_is_bit_exact(tmp_path):
 def test_text_only_export_loads_in_hf(tmp_path):
     hf = _hf_model(q_lora_rank=None)
     hf.save_pretrained(tmp_path / "hf")
-    ours = from_pretrained(tmp_path / "hf", codebook_size=64, vq_embed_dim=16)
+    ours = from_pretrained(tmp_path / "hf", codebook_size=64, vq_embed_dim=16, image_path=True)
     save_pretrained(ours, tmp_path / "text", text_only=True)
     back = Glm4MoeLiteForCausalLM.from_pretrained(tmp_path / "text").eval()
     ids = _batch()
@@ -130,7 +130,7 @@ def test_text_only_export_loads_in_hf(tmp_path):
 def test_image_checkpoint_passthrough_keeps_vq_and_nextn_keys(tmp_path):
     hf = _hf_model()
     hf.save_pretrained(tmp_path / "hf")
-    ours = from_pretrained(tmp_path / "hf", codebook_size=64, vq_embed_dim=16)
+    ours = from_pretrained(tmp_path / "hf", codebook_size=64, vq_embed_dim=16, image_path=True)
     save_pretrained(ours, tmp_path / "img")
     sd = read_safetensors(tmp_path / "img")
     sd["model.vqmodel.quant_conv.weight"] = torch.randn(16, 8, 1, 1)  # not modelled: passes through
@@ -209,7 +209,7 @@ def test_image_input_errors_name_the_numbers():
         model(ids, vq_codes=codes[:4])
     with pytest.raises(ValueError, match=r"vq_codes hold 32, outside the codebook \[0, 32\)"):
         model(ids, vq_codes=torch.tensor([5, 0, 32, 7, 9]))
-    with pytest.raises(ValueError, match="placeholder_token_id=200"):
+    with pytest.raises(ValueError, match="--model.placeholder_token_id 200"):
         glm_image_moe_config(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                              num_hidden_layers=1, num_attention_heads=2, n_routed_experts=4, num_experts_per_tok=2,
                              q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,

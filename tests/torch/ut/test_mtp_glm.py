@@ -101,7 +101,7 @@ def _setup(tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     # the flag turns the nextn block on with the checkpoint's num_nextn_predict_layers (the reader's choices:
     # an MoE layer like the last ones, position 0 zeroed); a text-only folder: a small image part
-    ours = from_pretrained(folder, mtp=True, codebook_size=24, vq_embed_dim=12).eval()
+    ours = from_pretrained(folder, mtp=True, codebook_size=24, vq_embed_dim=12, image_path=True).eval()
     assert ours.config.mtp is not None and ours.config.mtp.zero_embedding_at_document_start
     result = GlmImageMoeStateDictAdapter(ours.config).from_hf_checked(read_safetensors(folder))
     return hf, ref, ours, result, folder

@@ -19,7 +19,7 @@ from tests.torch.ut.hf_utils import randomize_, tiny_lite_config
 from tests.torch.ut.test_mtp_glm import _HFNextn
 
 L = 3  # tiny_lite_config's num_hidden_layers: the nextn layer's index
-IMAGE_PART = dict(codebook_size=24, vq_embed_dim=12)  # a text-only folder: a small image part
+IMAGE_PART = dict(codebook_size=24, vq_embed_dim=12, image_path=True)  # a text-only folder: a small image part grown
 # our MTP block <-> the nextn layer's names (vLLM glm4_moe_lite_mtp.py); the layer's own keys keep their names
 _NEXTN = {"pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "fc": "eh_proj", "norm": "shared_head.norm"}
 

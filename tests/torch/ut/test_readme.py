@@ -51,6 +51,10 @@ def _dry_run(args: list[str]) -> int:
 
 def _runner(argv: list[str]) -> Callable[[], int] | None:
     """What the test runs for a README command, returning its exit status (None: no rule)."""
+    while argv and re.fullmatch(r"[A-Z_]+=\S*", argv[0]):  # VAR=value before the command
+        argv = argv[1:]
+    if argv[0] == "bash" and argv[1].startswith("benchmarks/"):  # syntax here; test_gpu_check runs gpu_check.sh --cpu
+        return lambda: subprocess.run(["bash", "-n", str(REPO / argv[1])], capture_output=True).returncode
     if argv[0] == "make":
         return lambda: subprocess.run(["make", "-n", "-C", str(REPO), *argv[1:]], capture_output=True).returncode
     if argv[0] == "torchrun":
@@ -85,7 +89,13 @@ def _prepare(cwd: Path) -> None:
     text = README.read_text(encoding="utf-8")
     toml = re.findall(r"^```toml\n(.*?)^```", text, flags=re.S | re.M)
     assert toml, "the README shows a run file"
-    (cwd / "run.toml").write_text(toml[0])
+    # a run file that names itself on its first line ("# glm_mixed.toml") is written under that name; the first
+    # other one is run.toml
+    named = {block: re.match(r"# (\S+\.toml)\n", block) for block in toml}
+    (cwd / "run.toml").write_text(next(b for b, name in named.items() if name is None))
+    for block, name in named.items():
+        if name is not None:
+            (cwd / name.group(1)).write_text(block)
     with (cwd / "docs.jsonl").open("w") as f:
         f.write(json.dumps({"tokens": [1, 154879, 154879, 154879, 154879, 2], "vq_codes": [5, 6, 7, 8],
                             "image_grids": [[2, 2]]}) + "\n")  # fmt: skip

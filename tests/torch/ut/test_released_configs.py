@@ -144,8 +144,9 @@ def _our_facts(cfg) -> dict[str, Any]:
 def _unmodelled(name: str, cfg, hf: dict[str, Any]) -> int:
     """Our parameter count minus transformers': the parts one side has and the other does not (named here)."""
     if name == "glm_4_7_flash.json":
-        # ours adds the DirectToken image path: the VQ codebook, its projection and the image rows of the head
-        return cfg.codebook_size * cfg.vq_embed_dim + cfg.dim * cfg.vq_embed_dim + cfg.codebook_size * cfg.dim
+        # a Glm4MoeLite folder is a model without image path: exactly transformers' parameters
+        assert not cfg.has_image_path
+        return 0
     if hasattr(cfg, "visual"):
         return 0  # the VL package models the tower too
     return -hf["visual_params"]  # a text package reading a ConditionalGeneration folder: model.visual.* kept aside
@@ -284,7 +285,8 @@ def _hf_vocab(model) -> int:
 
 # GlmImageMoe from a text-only GLM folder: a small image path (the folder has none); export the Glm4MoeLite form
 _LOAD = {glm_image_moe_v2: dict(codebook_size=64, vq_embed_dim=32)}
-_SAVE = {glm_image_moe_v2: dict(text_only=True)}
+# the Glm4MoeLite form (a model without image path); the release is bf16, the round trip compares fp32
+_SAVE = {glm_image_moe_v2: dict(text_only=True, dtype=torch.float32)}
 
 # (release, package reading it, with images)
 CASES = [

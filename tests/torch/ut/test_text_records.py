@@ -233,11 +233,11 @@ def test_bad_record(case, tok, tmp_path):
     with pytest.raises(BadSampleError) as e:
         list(iter_text_documents([path], tok, spec))
     msg = str(e.value)
-    assert path in msg and f"row {BAD_AT}" in msg and f"[{kind}]" in msg and "on_bad_sample skip" in msg
+    assert path in msg and f"line {BAD_AT + 1}" in msg and f"[{kind}]" in msg and "on_bad_sample skip" in msg  # editor lines
 
     counts, skipped = {}, []
     docs = list(iter_text_documents([path], tok, spec, on_bad_sample="skip", bad_counts=counts, on_skip=skipped.append))
-    assert counts == {kind: 1} and len(skipped) == 1 and f"row {BAD_AT}" in skipped[0]
+    assert counts == {kind: 1} and len(skipped) == 1 and f"line {BAD_AT + 1}" in skipped[0]
     assert [d.row for d in docs] == [0, 1, 3, 4, 5]  # rows keep their place in the file
     good = CHAT_GOOD if spec.chat_column else GOOD
     clean = list(iter_text_documents([_lines(tmp_path / "clean.jsonl", good)], tok, spec))
@@ -258,7 +258,7 @@ def test_chat_template_rejects_record(toy, tmp_path):
             {"messages": [{"role": "user", "content": "mute"}]}]
     path = _lines(tmp_path / "chats.jsonl", rows)
     spec = TextRecordSpec(chat_column="messages")
-    with pytest.raises(BadSampleError, match=r"row 2.*no robots: beep.*\[undecodable\]"):
+    with pytest.raises(BadSampleError, match=r"line 3.*no robots: beep.*\[undecodable\]"):
         list(iter_text_documents([path], str(folder), spec))
     counts = {}
     docs = list(iter_text_documents([path], str(folder), spec, on_bad_sample="skip", bad_counts=counts))
@@ -280,7 +280,7 @@ def test_json_types_are_kept_exactly(tok, tmp_path):
     assert counts == {"bad_type": 2}
     assert [d.row for d in docs] == [*range(30), *range(31, 36), *range(37, 42)]
     assert [d.tokens.tolist() for d in docs] == [tok.encode(r["text"]) + [tok.eos_id] for r in rows]
-    with pytest.raises(BadSampleError, match="row 30.*must be a string, got int"):
+    with pytest.raises(BadSampleError, match="line 33.*must be a string, got int"):
         list(iter_text_documents([path], tok))
 
 
