@@ -24,8 +24,9 @@ setup: $(STAMP)
 train: setup
 	$(VPY) -m hyper_parallel.train --module glm_image_moe --config glm_image_moe_debug $(TRAIN_ARGS)
 
+# one intra-op thread per test process (tiny models; the multi-process tests start several on 2 cores)
 test: setup
-	$(VPY) -m pytest -q tests
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VPY) -m pytest -q tests
 
 test-ut: setup
 	$(VPY) -m pytest -q tests/torch/ut

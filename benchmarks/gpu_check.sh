@@ -71,7 +71,8 @@ except ImportError as e:  # tyro & co. missing: nothing else can run
     raise SystemExit(1)
 kernels = {"flash_attn": A.flash_attn_varlen_func is not None, "torch varlen_attn": A.varlen_attn is not None,
            "fla chunk_gated_delta_rule": gdr.fla_chunk_gated_delta_rule is not None,
-           "causal_conv1d": gdr.causal_conv1d_fn is not None, "grouped_mm": torch_features.has("grouped_mm")}
+           "causal_conv1d": gdr.causal_conv1d_fn is not None, "fla Triton conv": gdr.fla_causal_conv1d is not None,
+           "grouped_mm": torch_features.has("grouped_mm")}
 gpu = {}
 if torch.cuda.is_available():
     gpu = {"gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),

@@ -51,7 +51,7 @@ def deltanet_path(choice: str, *, compute_dtype: str = "bfloat16", model_config:
         return choice  # type: ignore[return-value]
     from hyper_parallel.models.common import gated_delta_rule as gdr
 
-    installed = gdr.fla_chunk_gated_delta_rule is not None and gdr.causal_conv1d_fn is not None
+    installed = gdr.fla_chunk_gated_delta_rule is not None and (gdr.causal_conv1d_fn or gdr.fla_causal_conv1d) is not None
     forced = any(isinstance(c, GatedDeltaRule.Config) and c.backend == "torch" for c in _configs(model_config))
     half = compute_dtype in ("bfloat16", "float16")
     return "fla" if installed and torch.cuda.is_available() and half and not forced else "torch"

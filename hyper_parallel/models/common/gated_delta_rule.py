@@ -63,6 +63,10 @@ try:
     from causal_conv1d import causal_conv1d_fn
 except ImportError:  # pragma: no cover - depends on the environment
     causal_conv1d_fn = None
+try:  # fla's own Triton conv: the kernel path without a compiled causal-conv1d (pure Python + Triton wheels)
+    from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d
+except ImportError:  # pragma: no cover - depends on the environment
+    fla_causal_conv1d = None
 
 __all__ = [
     "GatedDeltaRule",
@@ -415,9 +419,10 @@ def _chunk_rule(
 
 
 def cuda_kernels_can_run(qkv: torch.Tensor) -> bool:
-    """Whether the CUDA kernels take inputs like ``qkv``: ``flash-linear-attention`` and ``causal-conv1d``
-    installed, CUDA, fp16/bf16 (fla's chunked kernel rejects fp32)."""
-    installed = fla_chunk_gated_delta_rule is not None and causal_conv1d_fn is not None
+    """Whether the CUDA kernels take inputs like ``qkv``: ``flash-linear-attention`` installed (its Triton conv
+    stands in for ``causal-conv1d`` when that is absent), CUDA, fp16/bf16 (fla's chunked kernel rejects fp32)."""
+    conv = causal_conv1d_fn is not None or fla_causal_conv1d is not None
+    installed = fla_chunk_gated_delta_rule is not None and conv
     return installed and qkv.is_cuda and qkv.dtype in (torch.float16, torch.bfloat16)
 
 
@@ -453,11 +458,16 @@ def _cuda_kernels_forward(
     Hv = g_BTH.shape[-1]
     r = Hv // Hk
     cu_t = device_bounds(cu, cu_dev, qkv_BTHG)
-    seq_idx_BT = _seq_idx(cu, cu_t, qkv_BTHG).view(B, T)
-    x_BCT = qkv_BTHG.reshape(B, T, Hk * G).transpose(1, 2)  # channel-last memory, as seq_idx requires
-    y_BTC = causal_conv1d_fn(x_BCT, conv_weight_CK, None, seq_idx=seq_idx_BT, activation="silu").transpose(1, 2)
-    q, k, v = y_BTC.reshape(B, T, Hk, G).split([Dk, Dk, r * Dv], dim=-1)
     grouped, takes_host = _fla_features(fla_chunk_gated_delta_rule)
+    if causal_conv1d_fn is not None:
+        seq_idx_BT = _seq_idx(cu, cu_t, qkv_BTHG).view(B, T)
+        x_BCT = qkv_BTHG.reshape(B, T, Hk * G).transpose(1, 2)  # channel-last memory, as seq_idx requires
+        y_BTC = causal_conv1d_fn(x_BCT, conv_weight_CK, None, seq_idx=seq_idx_BT, activation="silu").transpose(1, 2)
+    else:  # fla's Triton conv over the flat stream, restarting at every bound of cu_seqlens
+        host = {"cu_seqlens_cpu": cu_cpu.long() if cu_cpu is not None else _host_bounds(cu, qkv_BTHG)}
+        x_1NC = qkv_BTHG.reshape(1, B * T, Hk * G)
+        y_BTC = fla_causal_conv1d(x_1NC, conv_weight_CK, activation="silu", cu_seqlens=cu_t, **host)[0].view(B, T, -1)
+    q, k, v = y_BTC.reshape(B, T, Hk, G).split([Dk, Dk, r * Dv], dim=-1)
     if r > 1 and not grouped:
         q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
     flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v.reshape(B, T, Hv, Dv), g_BTH, beta_BTH.to(q.dtype))]
@@ -664,9 +674,9 @@ class GatedDeltaRule(Module):
         can_run = cuda_kernels_can_run(qkv)
         if backend == "cuda_kernels" and not can_run:
             raise RuntimeError(
-                "GatedDeltaRule.Config.backend='cuda_kernels' needs the flash-linear-attention and causal-conv1d "
-                "packages (pip install 'hyper-parallel[gpu]') and CUDA fp16/bf16 inputs (installed: fla "
-                f"{fla_chunk_gated_delta_rule is not None}, causal_conv1d {causal_conv1d_fn is not None}; device: "
+                "GatedDeltaRule.Config.backend='cuda_kernels' needs the flash-linear-attention package (its Triton "
+                "conv, or causal-conv1d when installed; pip install 'hyper-parallel[gpu]') and CUDA fp16/bf16 inputs "
+                f"(installed: fla {fla_chunk_gated_delta_rule is not None}, causal_conv1d {causal_conv1d_fn is not None}; device: "
                 f"{qkv.device}, dtype: {qkv.dtype}); use backend='auto' or 'torch'"
             )
         return "cuda_kernels" if can_run else "torch"

@@ -52,8 +52,8 @@ def run_trainer(args: list[str]) -> dict[str, Any]:
 
     def step() -> dict[str, Any]:  # the trainer's own step, observed
         stats = train_step()
-        record["losses"].append(stats["loss"])
-        record["grad_norms"].append(stats["grad_norm"])
+        record["losses"].append(float(stats["loss"]))  # under train() the stats stay on the device until a log step
+        record["grad_norms"].append(float(stats["grad_norm"]))
         if trainer.step in (record["start"] + 1, trainer.config.training.steps):
             key = "first_grads" if trainer.step == record["start"] + 1 else "last_grads"
             for part in trainer.model_parts:

@@ -305,3 +305,28 @@ def test_compiled_layer_is_one_graph_and_new_packings_do_not_recompile():
         assert (grads[0] - want_grads[0]).abs().max().item() <= 1e-6
     # AttentionMeta marks both bound tensors' lengths dynamic: no recompile at all (else one, on the first change)
     assert counter.frame_count == 1, f"{counter.frame_count} compiles for 4 packings"
+
+
+def _fla_conv_standin(x, weight, *, activation, cu_seqlens, cu_seqlens_cpu):
+    """fla's ``causal_conv1d`` contract: ``x [1, N, C]`` flat over the packed stream, the window restarting at every
+    ``cu_seqlens`` bound (host copy ``cu_seqlens_cpu``); returns ``(y, final_state)``. Computed by our own conv."""
+    FLA_CALLS.append(("conv", x.shape, cu_seqlens_cpu.tolist()))
+    assert x.shape[0] == 1 and activation == "silu" and cu_seqlens.dtype == torch.long
+    return gdr.causal_conv1d_silu(x, weight, cu_seqlens_cpu.tolist()), None
+
+
+def test_kernel_path_without_causal_conv1d_uses_flas_triton_conv(kernels, monkeypatch):
+    """No compiled causal-conv1d (the GPU image's wheels carry only fla): fla's own conv runs on the flat stream,
+    with no sync, and the layer equals the torch path."""
+    monkeypatch.setattr(gdr, "causal_conv1d_fn", None)
+    monkeypatch.setattr(gdr, "fla_causal_conv1d", _fla_conv_standin)
+    meta = _meta(DOCS)
+    with SyncCounter() as syncs:
+        syncs.mark_device(meta.cu_seqlens)
+        out, grads = _fwd_bwd(_layer(0, "cuda_kernels"), meta)
+    assert syncs.total == 0, syncs.report()
+    assert FLA_CALLS[0] == ("conv", (1, B * T, Hk * G), _cu(DOCS))
+    want, want_grads = _fwd_bwd(_layer(0), meta)
+    assert (out - want).abs().max().item() <= 1e-5
+    for a, b in zip(grads, want_grads):
+        assert (a - b).abs().max().item() <= 1e-5

@@ -119,14 +119,14 @@ def test_cli_prints_exact_bytes_and_the_fsdp_step_volume(capsys):
 
 
 def test_tp_step_gathers_every_unit_over_tp_once_per_pass():
-    """TP 2 x FSDP 2: MLA's latent projections and norms (one FSDP unit of four modules per layer), the router
-    and the routed experts are FSDP units over dp_shard x tp (``efsdp``): each is gathered in forward and again
-    in backward, and reduce-scattered once."""
+    """TP 2 x FSDP 2: MLA's latent projections and norms, the router and the routed experts (the weights a layer
+    reduces over dp_shard x tp, ``efsdp``) form one FSDP unit per layer: gathered in forward and again in
+    backward, and reduce-scattered once."""
     report = dry_run(_tiny(tp=2), world_size=4)
     numels = _params(glm_image_moe_debug())
     latent = ("q_a_proj.", "q_a_layernorm.", "kv_a_proj_with_mqa.", "kv_a_layernorm.", "mlp.gate.", "mlp.experts.")
     on_efsdp = sum(v for n, v in numels.items() if any(k in n for k in latent))
-    units = 4 + 3 * 2  # one latent unit per layer; router and experts of the 3 MoE layers
+    units = 4  # one efsdp unit per layer (latent projections and norms; the MoE layers' router and experts too)
     comm = {(c.kind, c.axis): (c.calls, c.nbytes) for c in report.comm}
     assert comm["all_gather", "efsdp"] == (2 * units, 2 * on_efsdp * FP32)
     assert comm["reduce_scatter", "efsdp"] == (units, on_efsdp * FP32)
@@ -214,7 +214,7 @@ def test_layer_scaled_peak_follows_the_moment_that_peaks_at_full_depth(monkeypat
     scaled = low.combine(high, plan)
     assert scaled.peak == pytest.approx(full.peak, rel=1e-9)
     # the moment moved: the shallow copies peak with no gradient shard yet, the full model with most of them
-    assert low.peak["Sharded Grad"] == 0 < full.peak["Sharded Grad"]
+    assert low.peak["Sharded Grad"] < full.peak["Sharded Grad"] / 2
     numels = _params(cfg)
     grads = sum(v for n, v in numels.items() if n != "vq_codebook.weight") // 4 * FP32  # 4 ranks: FSDP, or ep x efsdp
     experts = sum(v for n, v in numels.items() if ".mlp.experts." in n) // 4 * FP32

@@ -103,7 +103,7 @@ def test_fla_path_is_the_flat_stream_and_the_report_says_so(torch_path, capsys):
 def _fla_installed() -> bool:
     from hyper_parallel.models.common import gated_delta_rule as gdr
 
-    return gdr.fla_chunk_gated_delta_rule is not None and gdr.causal_conv1d_fn is not None
+    return gdr.fla_chunk_gated_delta_rule is not None and (gdr.causal_conv1d_fn or gdr.fla_causal_conv1d) is not None
 
 
 def _walk(value):

@@ -122,7 +122,10 @@ def _code_blocks(text: str, lang: str) -> list[str]:
 
 
 def test_v1_yaml_translates_to_the_printed_cli(tmp_path):
-    out, message = _translate(yaml.safe_load(V1_YAML))
+    folder = tmp_path / "ckpt" / "glm"  # the model folder must exist (a mistyped path is refused at parse time)
+    folder.mkdir(parents=True)
+    v1_yaml = V1_YAML.replace("/ckpt/glm", str(folder))
+    out, message = _translate(yaml.safe_load(v1_yaml))
     assert "deprecated v1 layout" in message and "docs/migrations/v2_migration.md" in message
     flat = _flat(out)
     assert flat["training.steps"] == 100
@@ -140,14 +143,14 @@ def test_v1_yaml_translates_to_the_printed_cli(tmp_path):
     assert cli[cli.index("--dump_folder") + 1] == "runs/old run"  # shell-quoted in the message
 
     old = tmp_path / "old.yaml"
-    old.write_text(V1_YAML)
+    old.write_text(v1_yaml)
     with pytest.warns(LegacyConfigWarning):
         from_file = _parse("--config-file", str(old))
     from_cli = _parse(*cli)
     assert from_file.to_dict() == from_cli.to_dict()
     assert from_file.optimizer.betas == (0.9, 0.99)  # a tuple, as the field's type says
     assert (from_file.training.steps, from_file.optimizer.name, from_file.ema.decay) == (100, "muon", 0.99)
-    assert from_file.checkpoint.initial_load_path == "/ckpt/glm"
+    assert from_file.checkpoint.initial_load_path == str(folder)
     # the rest of the recipe is untouched, and the command line still wins over the file
     assert from_file.model == _parse().model
     with pytest.warns(LegacyConfigWarning):
