@@ -351,7 +351,7 @@ class Trainer(Configurable):
                 f"model from {run_model.folder}/config.json"
                 + (f"; differs from the recipe in: {', '.join(diff)}" if diff else " (the recipe's model)")
             )
-        if self.spec.fit_to_data is not None:  # the model the data needs (GlmImageMoe: an image path for image tokens)
+        if self.spec.fit_to_data is not None:  # the model its data needs (an image path for image tokens)
             fitted, note = self.spec.fit_to_data(run_model.config, config.data.source_types())
             if note is not None:
                 self._log(note)
