@@ -356,14 +356,23 @@ def _varlen_kernel(
             softmax_scale=scale, causal=True, deterministic=deterministic,
         )  # fmt: skip
     else:
-        gqa = {"enable_gqa": k.shape[1] != H}
-        if gqa["enable_gqa"] and not torch_features.has("varlen_attn.enable_gqa"):  # torch 2.11: no grouped heads
-            k, v = (x.repeat_interleave(H // x.shape[1], dim=1, output_size=H) for x in (k, v))
-            gqa = {}
-        elif not gqa["enable_gqa"]:
-            gqa = {}
-        out = varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), **gqa)
+        out = _torch_varlen_causal(q, k, v, cu, cu, max_seqlen, max_seqlen, scale)
     return out.view(B, T, H, dqk)[..., :dv]
+
+
+def _torch_varlen_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
+    scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """torch's ``varlen_attn`` over ``[N, heads, d]`` streams, causal aligned bottom-right (window ``(-1, 0)``, as
+    flash's); grouped K/V heads go in as they are, or expanded where this torch has no ``enable_gqa`` (2.11)."""
+    H = q.shape[1]
+    gqa = k.shape[1] != H
+    if gqa and not torch_features.has("varlen_attn.enable_gqa"):
+        k, v = (x.repeat_interleave(H // x.shape[1], dim=1, output_size=H) for x in (k, v))
+        gqa = False
+    extra = {"enable_gqa": True} if gqa else {}
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), **extra)
 
 
 def allgather_attention(
@@ -607,11 +616,6 @@ def _allgather_varlen(
             qf, kf, vf, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
             softmax_scale=scale, causal=True, deterministic=torch.are_deterministic_algorithms_enabled(),
         )  # fmt: skip
-    else:  # torch's varlen_attn: window (-1, 0) is causal, aligned bottom-right like flash's
-        gqa = kf.shape[1] != H
-        if gqa and not torch_features.has("varlen_attn.enable_gqa"):  # torch 2.11: no grouped heads
-            kf, vf = (x.repeat_interleave(H // x.shape[1], dim=1, output_size=H) for x in (kf, vf))
-            gqa = False
-        extra = {"enable_gqa": True} if gqa else {}
-        out = varlen_attn(qf, kf, vf, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), **extra)
+    else:
+        out = _torch_varlen_causal(qf, kf, vf, cu_q, cu_k, max_q, max_k, scale)
     return out[..., :dv].reshape(B, t, H, dv)
