@@ -131,7 +131,7 @@ def _legacy_load(model: torch.nn.Module, config: Any, folder: Path) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from hyper_parallel.models.qwen3_5_moe_v2.state_dict import Qwen3_5MoeStateDictAdapter
-    from hyper_parallel.protocols.state_dict_adapter import read_safetensors
+    from hyper_parallel.hf.storage import read_safetensors
 
     sd: dict[str, torch.Tensor] = {}
     if dist.get_rank() == 0:
@@ -171,7 +171,8 @@ def _rank_main(rank: int, world: int, port: int, layout: str, impl: str, folder:
 
     from hyper_parallel.config import ActivationCheckpointConfig, CompileConfig, ParallelismConfig, TrainingConfig
     from hyper_parallel.distributed.parallel_dims import ParallelDims
-    from hyper_parallel.models.qwen3_5_moe_v2 import load_hf_weights, save_pretrained
+    from hyper_parallel.hf import load_hf_weights
+    from hyper_parallel.models.qwen3_5_moe_v2 import save_pretrained
     from hyper_parallel.models.qwen3_5_moe_v2.parallelize import parallelize_qwen3_5_moe
 
     _, dp_shard, ep = LAYOUTS[layout]

@@ -8,7 +8,7 @@ AdamW over the trainable parameters):
   adapters on every MLA projection, the dense and shared MLPs and the routed experts (per expert, through the
   experts' grouped matmul);
 - **ours, full**: the same model without adapters, every weight trained;
-- **PEFT**: ``peft.PeftModel.from_pretrained`` of our exported adapter folder (``hf_lora.save_adapter``, what
+- **PEFT**: ``peft.PeftModel.from_pretrained`` of our exported adapter folder (``hf.lora_export.save_adapter``, what
   ``--checkpoint.export_hf`` writes) onto transformers' ``Glm4MoeLiteForCausalLM`` of the same folder
   (``target_parameters`` for the fused experts).
 
@@ -82,10 +82,11 @@ def main() -> None:
     from transformers import Glm4MoeLiteForCausalLM
 
     from hyper_parallel.components import CrossEntropyLoss
-    from hyper_parallel.config.lora import LoRAConfig, apply_lora, lora_trainable_names
+    from hyper_parallel.config.lora import LoRAConfig
+    from hyper_parallel.models.common.lora_policy import apply_lora, lora_trainable_names
     from hyper_parallel.models.glm_image_moe_v2 import from_pretrained
     from hyper_parallel.models.common.lora import is_lora_param
-    from hyper_parallel.protocols.hf_lora import save_adapter
+    from hyper_parallel.hf.lora_export import save_adapter
     from hyper_parallel.protocols.model_spec import discover_model_spec
 
     vocab = VOCAB

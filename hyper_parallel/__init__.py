@@ -32,8 +32,9 @@ _EXPORTS: dict[str, str] = {
     "register_spec": _PROTOCOLS,
     "get_spec": _PROTOCOLS,
     "discover_model_spec": _PROTOCOLS,
-    "from_pretrained": "hyper_parallel.protocols.hf_model",
-    "HF_MODEL_TYPES": "hyper_parallel.protocols.model_spec",
+    "from_pretrained": "hyper_parallel.hf.pretrained",
+    "HF_MODEL_TYPES": "hyper_parallel.protocols.hf_spec",
+    "HFSpec": "hyper_parallel.protocols.hf_spec",
     "ShardingConfig": _PROTOCOLS,
     "NamedPlacement": _PROTOCOLS,
     "LocalMapConfig": _PROTOCOLS,
@@ -210,8 +211,8 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from hyper_parallel.models.glm_image_moe_v2.sharding import (
         set_glm_image_moe_sharding_config,
     )
-    from hyper_parallel.protocols.hf_model import from_pretrained
-    from hyper_parallel.protocols.model_spec import HF_MODEL_TYPES
+    from hyper_parallel.hf.pretrained import from_pretrained
+    from hyper_parallel.protocols.hf_spec import HF_MODEL_TYPES, HFSpec
     from hyper_parallel.protocols import (
         BaseModel,
         BaseStateDictAdapter,

@@ -17,6 +17,8 @@ from typing import Any
 from hyper_parallel.components.checkpoint import UnsafeCheckpointError
 from hyper_parallel.config.manager import ConfigManager, run_cli
 from hyper_parallel.distributed.env import intra_op_threads
+from hyper_parallel.hf import CheckpointKeyError, HFCheckpointError, UnsupportedQuantizationError
+from hyper_parallel.hf.folder import folder_family
 
 
 def init_logging() -> None:
@@ -36,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Parse the run config, train, and return the run summary (intra-op threads: ``intra_op_threads``)."""
     init_logging()
     log = logging.getLogger("hyper_parallel")
-    config = ConfigManager().parse_args(argv)
+    config = ConfigManager(folder_family=folder_family).parse_args(argv)  # the HF folder opened here, once
     with intra_op_threads(log):
         trainer = config.build()
         try:
@@ -78,9 +80,6 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from hyper_parallel.data.bad_samples import BadSampleError
     from hyper_parallel.data.chat import ChatTemplateError
     from hyper_parallel.data.vision_language.preprocess import MediaError
-    from hyper_parallel.protocols.hf_io import CheckpointKeyError
-    from hyper_parallel.protocols.hf_quant import UnsupportedQuantizationError
-    from hyper_parallel.protocols.hf_storage import HFCheckpointError
 
     return (
         BadSampleError, DataStateMismatch, ChatTemplateError, MediaError, CheckpointKeyError,

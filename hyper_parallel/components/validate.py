@@ -1,7 +1,7 @@
 """Validation during training (``--validation.*``): the exact token-mean loss of held-out data.
 
-The validator runs the trainer's own micro-batch path (the host-side MTP targets and context-parallel
-split, the model call, the loss under loss parallel), without gradients:
+The validator runs the trainer's micro-batch path (``StepRunner``, ``components/step.py``: the host-side MTP targets
+and context-parallel split, the model call, the loss under loss parallel), without gradients:
 
 - **Data**: ``validation.data`` (any source the model takes, or a ``data.sources`` mixture: then also a loss
   per source), or ``validation.split``: a held-out fraction of the training data, chosen by sample id
@@ -30,16 +30,15 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from hyper_parallel.components.checkpoint import get_rng_state, set_rng_state
-from hyper_parallel.components.loss import CrossEntropyLoss, top1_correct
+from hyper_parallel.components.loss import top1_correct
 from hyper_parallel.components.source_metrics import SourceLossMeter
+from hyper_parallel.components.step import StepRunner
 from hyper_parallel.config.configurable import Configurable
 from hyper_parallel.data.base import BaseDataLoader, DataConfig
 from hyper_parallel.data.holdout import Holdout
@@ -87,7 +86,7 @@ class Validator(Configurable):
         split: float = 0.0
         """Hold out this fraction of the training data's samples (by sample id, the same on any number of ranks) and validate on them; 0 = validate on validation.data."""
         data: DataConfig = field(default_factory=DataConfig)
-        """The validation data (when validation.split is 0): a source the model takes, as the data section (path, source, tokenizer, loss_on, [[validation.data.sources]] ...); its global_batch_tokens is unused."""
+        """The validation data (when validation.split is 0): a source the model takes, as the data section (path, source, tokenizer, chat.loss_on, [[validation.data.sources]] ...); its global_batch_tokens is unused."""
         early_stop_patience: int = 0
         """Stop the run after this many evaluations in a row without a new best val/loss (a final checkpoint is written); 0 = never."""
 
@@ -132,38 +131,22 @@ class Validator(Configurable):
         self,
         config: Config,
         *,
-        model: nn.Module,
-        loss_fn: CrossEntropyLoss,
-        device: torch.device,
+        runner: StepRunner,
         training_data: DataConfig,
         data_kwargs: Mapping[str, Any],
         accepted_sources: Sequence[str],
-        prepare: Callable[[dict[str, Any]], dict[str, Any]],
-        forward: Callable[[dict[str, Any]], Any],
-        to_device: Callable[[dict[str, Any]], dict[str, Any]],
-        loss_context: Callable[[], AbstractContextManager[Any]],
-        sum_over_ranks: Callable[[torch.Tensor], torch.Tensor],
-        mtp: bool = False,
-        run: Callable[[list[dict[str, Any]], Callable[[Any, dict[str, Any]], None]], None] | None = None,
-        group_size: int = 1,
     ) -> None:
-        """The trainer's pieces: ``prepare`` (host side of a micro-batch: MTP targets, CP split), ``forward``
-        (a device micro-batch -> the model output), ``to_device``, ``loss_context`` (loss parallel),
-        ``sum_over_ranks`` (over the ranks that hold different tokens, and the pipeline stages); ``data_kwargs``
-        are the training loader's build arguments (DP coordinates, sequence multiple, model facts). ``model``
-        may be several parts (pipeline stages). ``run(micro_batches, take)``: the model on ``group_size``
-        device micro-batches at a time, handing each output to ``take(output, micro_batch)`` where it is (the
-        last pipeline stage); None: ``forward`` one at a time."""
+        """``runner``: the trainer's step mechanics (host prep: MTP targets, CP split; device copy; the model's
+        forwards under loss parallel, through the pipeline schedule a step's worth of micro-batches at a time; the
+        sums over the ranks that hold different tokens and the pipeline stages); ``data_kwargs`` are the training
+        loader's build arguments (DP coordinates, sequence multiple, model facts)."""
         super().__init__(config)
         self.config: Validator.Config = config
         config.check()
-        self.parts = [model] if isinstance(model, torch.nn.Module) else list(model)
-        self.model, self.loss_fn, self.device = self.parts[0], loss_fn, device
-        self.run = run if run is not None else lambda mbs, take: [take(self.forward(mb), mb) for mb in mbs]
-        self.group_size = group_size
-        self.prepare, self.forward, self.to_device = prepare, forward, to_device
-        self.loss_context, self.sum_over_ranks, self.mtp = loss_context, sum_over_ranks, mtp
-        self.ignore_index = loss_fn.config.ignore_index
+        self.runner = runner
+        self.parts, self.model, self.loss_fn, self.device = runner.parts, runner.model, runner.loss_fn, runner.device
+        self.mtp = runner.mtp is not None
+        self.ignore_index = self.loss_fn.config.ignore_index
         self.best_loss: float | None = None
         self.best_step: int | None = None
         self.evals_since_best = 0
@@ -277,12 +260,12 @@ class Validator(Configurable):
             loader = stream.loader
             loader.load_state_dict(stream.start)
             ranks = loader.dp_world_size
-            # rounds of group_size micro-batches per rank (one pipeline step each): past the data's end the same
+            # rounds of eval_group_size micro-batches per rank (one pipeline step each): past the data's end the same
             # forwards run on a copy without tokens
             n = math.ceil(stream.total / ranks)
             group: list[dict[str, Any]] = []
             last: dict[str, Any] = {}
-            for k in range(-(-n // self.group_size) * self.group_size):
+            for k in range(-(-n // self.runner.eval_group_size) * self.runner.eval_group_size):
                 if k < n:
                     (mb,) = loader.next_step()
                     mb = last = stream.finish(mb)
@@ -290,19 +273,19 @@ class Validator(Configurable):
                     mb = last
                 if k * ranks + self.dp_rank >= stream.total:
                     mb = {**mb, "labels": torch.full_like(mb["labels"], self.ignore_index)}
-                group.append(self.to_device(self.prepare(mb)))
-                if len(group) == self.group_size:
-                    with self.loss_context():
-                        self.run(group, take)
+                group.append(self.runner.to_device(self.runner.prepare(mb)))
+                if len(group) == self.runner.eval_group_size:
+                    with self.runner.loss_parallel():
+                        self.runner.evaluate(group, take)
                     group = []
-        loss, tokens, mtp_loss, mtp_tokens, mtp_hits = self.sum_over_ranks(sums).tolist()
+        loss, tokens, mtp_loss, mtp_tokens, mtp_hits = self.runner.sum_over_loss_ranks(sums).tolist()
         mean = loss / max(tokens, 1.0)
         record = {"val/loss": mean, "val/ppl": math.exp(min(mean, 700.0)), "val/tokens": tokens}
         if self.mtp:
             record["val/loss_mtp"] = mtp_loss / max(mtp_tokens, 1.0)
             record["val/mtp/top1"] = mtp_hits / max(mtp_tokens, 1.0)
         if meter is not None:
-            for key, value in meter.reduce(self.sum_over_ranks).items():  # loss/<name>
+            for key, value in meter.reduce(self.runner.sum_over_loss_ranks).items():  # loss/<name>
                 record[f"val/{key[len('loss/'):]}/loss"] = value
         return record
 

@@ -246,10 +246,17 @@ def _apply(node: Any, overrides: dict[str, Any], *, prefix: str, source: str) ->
         elif isinstance(current, list) and not current and isinstance(value, list) and _item_class(node, key):
             # an empty list of sub-configs (`data.sources`): the run file gives the items
             item_cls = _item_class(node, key)
+            from_mapping = getattr(item_cls, "from_mapping", None)  # an item class that reads its own tables
             items = []
             for i, sub in enumerate(value):
                 if not isinstance(sub, dict):
                     raise ConfigError(f"{source}: {full}.{i} must be a mapping of {item_cls.__name__} fields, not {sub!r}")
+                if from_mapping is not None:
+                    try:
+                        items.append(from_mapping(sub, where=f"{full}[{i}]"))
+                    except (TypeError, ValueError) as e:
+                        raise ConfigError(f"{source}: {e}") from None
+                    continue
                 items.append(item_cls())
                 _apply(items[-1], sub, prefix=f"{full}.{i}.", source=source)
             setattr(node, key, items)
@@ -318,32 +325,11 @@ def _has_recipe(module: str, recipe: str) -> bool:
     return callable(getattr(registry, recipe, None))
 
 
-def _module_from_folder(folder: str | None, recipe: str) -> str | None:
-    """The model package of an HF folder (``model_type`` in the registry's table), the one with ``recipe``."""
-    from hyper_parallel.protocols.hf_io import read_hf_config
-    from hyper_parallel.protocols.hf_model import is_hf_folder, spec_for_hf
-
-    if not is_hf_folder(folder):
-        return None
-    return spec_for_hf(read_hf_config(folder), where=str(folder), has_recipe=lambda name: _has_recipe(name, recipe))
-
-
 def _module_of_recipe(recipe: str) -> str | None:
     """The one model package with a recipe named ``recipe`` (None when no package or several have one)."""
     names = [m for m in available_modules() if not m.endswith("_v2")]
     found = [m for m in names if _has_recipe(m, recipe)]
     return found[0] if len(found) == 1 else None
-
-
-def _check_folder_family(config: Any) -> None:
-    """A run whose ``checkpoint.initial_load_path`` is an HF folder of another family than its model: an error."""
-    from hyper_parallel.protocols.hf_io import read_hf_config
-    from hyper_parallel.protocols.hf_model import is_hf_folder, spec_for_hf
-
-    folder = getattr(getattr(config, "checkpoint", None), "initial_load_path", None)
-    spec = getattr(config, "model_spec", None)
-    if spec and is_hf_folder(folder):
-        spec_for_hf(read_hf_config(folder), where=f"--checkpoint.initial_load_path {folder}", spec_name=spec)
 
 
 def _cli_model_fields(argv: Sequence[str]) -> set[str]:
@@ -373,10 +359,23 @@ def _run_file_model_fields(data: dict[str, Any], path: str) -> set[str]:
     return out
 
 
-class ConfigManager:
-    """Parses ``--module M --config C [--config-file F] [overrides]`` into a run config."""
+FolderFamily = Callable[..., "str | None"]
+"""``folder_family(folder, *, where=None, spec_name=None, has_recipe=None) -> str | None``: the model package that
+reads HF folder ``folder`` (None: ``folder`` is no HF folder); ``spec_name``: the run's package, an error (a
+``ConfigError`` naming both families) when the folder is of another; ``has_recipe(name)``: pick the candidate package
+that has the run's recipe. The run's entry point passes ``hyper_parallel.hf.folder.folder_family``."""
 
-    def __init__(self) -> None:
+
+class ConfigManager:
+    """Parses ``--module M --config C [--config-file F] [overrides]`` into a run config.
+
+    ``folder_family`` (given by the entry point: this floor reads no HF folder) opens an HF
+    ``--checkpoint.initial_load_path`` once: it names the model package when ``--module`` is left out, and checks
+    that the folder is of the run's family. Without it the module comes from the recipe alone, and the trainer
+    checks the folder's family when it reads the folder."""
+
+    def __init__(self, *, folder_family: FolderFamily | None = None) -> None:
+        self.folder_family = folder_family
         self.config: Any = None
         self.module: str | None = None
         self.recipe: str | None = None
@@ -394,8 +393,11 @@ class ConfigManager:
                 f"--checkpoint.initial_load_path {folder}: the folder {str(Path(folder).expanduser())!r} does not "
                 "exist; give the HF folder that holds the model's config.json and safetensors"
             )
+        family = None  # the folder's package, when --module is left out (the folder is opened once, here)
+        if module is None and recipe is not None and folder and self.folder_family is not None:
+            family = self.folder_family(folder, has_recipe=lambda name: _has_recipe(name, recipe))
         if module is None and recipe is not None:
-            module = _module_from_folder(folder, recipe) or _module_of_recipe(recipe)
+            module = family or _module_of_recipe(recipe)
         if module is None or recipe is None:
             raise ConfigError(
                 "both --module and --config are required (--module may be left out when "
@@ -434,12 +436,22 @@ class ConfigManager:
             )
         if any(f.name == "explicit_model_fields" for f in dataclasses.fields(config)):
             config = dataclasses.replace(config, explicit_model_fields=tuple(sorted(explicit)))
-        _check_folder_family(config)
+        self._check_folder_family(config, checked=(folder, family) if family is not None else None)
         validate = getattr(config, "validate", None)
         if callable(validate):
             validate()
         self.config, self.module, self.recipe = config, module, recipe
         return config
+
+    def _check_folder_family(self, config: Any, *, checked: tuple[str, str] | None = None) -> None:
+        """A run whose ``checkpoint.initial_load_path`` is an HF folder of another family than its model: an error
+        (``checked``: ``(folder, package)`` the module was read from, not opened again)."""
+        folder = getattr(getattr(config, "checkpoint", None), "initial_load_path", None)
+        spec = getattr(config, "model_spec", None)
+        if checked is not None and checked == (folder, spec):
+            return
+        if spec and folder and self.folder_family is not None:
+            self.folder_family(folder, where=f"--checkpoint.initial_load_path {folder}", spec_name=spec)
 
     @staticmethod
     def _translated(data: dict[str, Any], path: str) -> dict[str, Any]:

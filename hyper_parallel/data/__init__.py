@@ -13,6 +13,10 @@ whose ``build(dp_rank=, dp_world_size=, seq_multiple=, model_facts=)`` returns t
 - ``data.sources`` set (:class:`MixtureDataLoader`): several of the shard-backed sources above, each a
   :class:`SourceConfig` with a name and a weight, mixed by tokens (:mod:`.mixture`).
 
+The ``data`` section holds what every source reads, plus one section per option group only some sources
+read (:mod:`.source_config`): ``data.text`` (:class:`TextOptions`), ``data.chat`` (:class:`ChatOptions`, text and
+vision_language) and ``data.direct_token`` (:class:`DirectTokenOptions`); a mixture entry carries the same sections.
+
 Every loader implements :class:`BaseDataLoader`: ``next_step()`` (this DP rank's micro-batches),
 ``state_dict()`` / ``load_state_dict()`` (the same state on every rank; resumes on any DP degree
 and worker count), ``metrics()`` (``bad_samples_skipped``). The sequence of global batches depends
@@ -40,7 +44,7 @@ from hyper_parallel.data.layout_check import first_difference, global_batches
 from hyper_parallel.data.mixture import MixtureDataLoader
 from hyper_parallel.data.packing import TokenDocument, batch_to_device, collate_packed
 from hyper_parallel.data.preset import BATCH_KEYS, PresetDataLoader, check_batch
-from hyper_parallel.data.source_config import SourceConfig
+from hyper_parallel.data.source_config import ChatOptions, DirectTokenOptions, SourceConfig, TextOptions
 from hyper_parallel.data.text.loader import HuggingFaceTextDataLoader, TextShardWriter
 from hyper_parallel.data.direct_token.toy_corpus import ToyCorpusSpec, cached_toy_corpus, make_toy_samples, write_toy_corpus
 from hyper_parallel.data.vision_language import VisionLanguageDataLoader
@@ -52,9 +56,11 @@ __all__ = [
     "DIRECT_TOKEN_BAD_KINDS",
     "IGNORE_INDEX",
     "BadSampleError",
+    "ChatOptions",
     "BaseDataLoader",
     "DataConfig",
     "DataStateMismatch",
+    "DirectTokenOptions",
     "DirectTokenWriter",
     "DummyDataLoader",
     "HuggingFaceTextDataLoader",
@@ -63,6 +69,7 @@ __all__ = [
     "Sample",
     "SampleSpec",
     "SourceConfig",
+    "TextOptions",
     "TextShardWriter",
     "TokenDataLoader",
     "VisionLanguageDataLoader",

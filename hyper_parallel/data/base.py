@@ -26,7 +26,13 @@ from typing import Any, ClassVar, Literal
 
 from hyper_parallel.config.configurable import Configurable
 from hyper_parallel.data.holdout import Holdout
-from hyper_parallel.data.source_config import SourceConfig
+from hyper_parallel.data.source_config import (
+    ChatOptions,
+    DirectTokenOptions,
+    SourceConfig,
+    TextOptions,
+    coerce_sources,
+)
 
 __all__ = ["DATA_SOURCES", "BaseDataLoader", "DataConfig", "DataStateMismatch"]
 
@@ -91,31 +97,24 @@ class BaseDataLoader(Configurable):
         """text: the tokenizer (a tokenizer.json file or an HF folder) that tokenises raw .jsonl/.parquet/.arrow files; empty = the toy tokenizer (toy corpus only)."""
         allow_foreign_tokenizer: bool = False
         """Train with a tokenizer that is not the one the model folder (--checkpoint.initial_load_path) ships: data.tokenizer, a source's tokenizer or the one vision-language shards were written with. Off: such a tokenizer (other vocabulary, special tokens or chat template) is an error naming both."""
-        text_column: str = "text"
-        """text: the column (field) of raw records that holds the document text."""
-        split_long_documents: bool = False
-        """text: cut documents longer than max_tokens_per_microbatch into pieces of at most that many tokens instead of treating them as bad samples."""
-        chat_column: str = ""
-        """text: the column of raw records that holds a conversation (a list of {role, content} messages), rendered with the tokenizer's chat template; empty = plain text from text_column."""
-        loss_on: Literal["document", "assistant", "all"] = "document"
-        """text, vision_language: which tokens train. `document`: a conversation trains its assistant turns (content, reasoning, tool calls, end token), plain text every token; `assistant`: assistant turns only (a record without one is a no_assistant bad sample); `all`: every token (image tokens never train)."""
-        system_prompt: str = ""
-        """text, vision_language: a system message put first in every conversation that has none (empty: none)."""
-        reasoning_effort: str = ""
-        """text, vision_language: chat template `reasoning_effort` where a record sets none ('': its default)."""
-        preserve_thinking: bool | None = None
-        """text, vision_language: chat template `preserve_thinking` (keep, and train, earlier turns' reasoning)."""
-        long_conversations: Literal["drop", "cut"] = "drop"
-        """text, vision_language: a conversation longer than max_tokens_per_microbatch: `drop` = a too_long bad sample (on_bad_sample: error, or skip and count); `cut` = keep it up to its last assistant turn that fits (counted in data/conversations_cut)."""
+        text: TextOptions = field(default_factory=TextOptions)
+        """Source text: the columns of raw records (text_column, chat_column) and split_long_documents."""
+        chat: ChatOptions = field(default_factory=ChatOptions)
+        """Sources text and vision_language: which tokens of a conversation train (loss_on), system_prompt, the chat template switches, long_conversations."""
+        direct_token: DirectTokenOptions = field(default_factory=DirectTokenOptions)
+        """Source direct_token: which targets train (loss_on: document, image or text)."""
         sources: list[SourceConfig] = field(default_factory=list)
-        """A weighted mixture of sources (run file: `[[data.sources]]` entries with name, source, path, weight and own options); when set, data.source and data.path are unused. Empty = the single source data.source/data.path."""
+        """A weighted mixture of sources (run file: `[[data.sources]]` entries with name, source, path, weight, on_bad_sample, tokenizer and the source's own text / chat / direct_token sections); when set, data.source and data.path are unused and the data section's text / chat / direct_token sections must keep their defaults (each entry has its own). Empty = the single source data.source/data.path."""
+
+        def __post_init__(self) -> None:
+            # the one place data.sources entries given as mappings (Python dicts) become SourceConfig
+            self.sources = coerce_sources(self.sources)
 
         def source_types(self) -> tuple[str, ...]:
             """The source types this config reads: ``(source,)``, or every ``data.sources`` entry's type."""
             if not self.sources:
                 return (self.source,)
-            types = [s.get("source", "direct_token") if isinstance(s, dict) else s.source for s in self.sources]
-            return tuple(dict.fromkeys(types))
+            return tuple(dict.fromkeys(s.source for s in self.sources))
 
         def build(self, **runtime_objects: Any) -> BaseDataLoader:
             """Construct the loader of ``source`` (:data:`DATA_SOURCES`) from this config plus runtime objects."""

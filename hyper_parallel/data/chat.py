@@ -76,7 +76,7 @@ whose text is not a string; ``no_assistant``: nothing to train on (``loss_on: as
 assistant turn)."""
 
 LOSS_ON_CHOICES = ("document", "assistant", "all")
-"""``data.loss_on`` for text and vision-language data: ``document`` = ``assistant`` for a
+"""``data.chat.loss_on`` for text and vision-language data: ``document`` = ``assistant`` for a
 conversation, every token for plain text; ``assistant`` = assistant turns only (plain text has none:
 a ``no_assistant`` bad sample); ``all`` = every token (image tokens never train)."""
 
@@ -84,7 +84,7 @@ IMAGE_MARKER = "<image>"
 
 TEMPLATE_OPTIONS: dict[str, type] = {"reasoning_effort": str, "preserve_thinking": bool}
 """Chat-template variables a record may set for its conversation (a field of that name beside its messages),
-else ``data.reasoning_effort`` / ``data.preserve_thinking``; unset, the template's own default applies (the
+else ``data.chat.reasoning_effort`` / ``data.chat.preserve_thinking``; unset, the template's own default applies (the
 Qwen3.8 template: ``reasoning_effort`` ``xhigh``, earlier turns' reasoning kept)."""
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")

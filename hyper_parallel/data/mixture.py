@@ -34,43 +34,35 @@ is a :class:`~hyper_parallel.data.base.DataStateMismatch` that says how to start
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.utils.data
 
-from hyper_parallel.data.bad_samples import IGNORE_INDEX, BadSampleError
+from hyper_parallel.data.bad_samples import BadSampleError
 from hyper_parallel.data.base import BaseDataLoader, DataStateMismatch
 from hyper_parallel.data.sharded import MicroBatchReader, ReadItem, ShardedDataLoader, WorkerReads
-from hyper_parallel.data.source_config import MIXTURE_SOURCE_TYPES, SourceConfig
+from hyper_parallel.data.source_config import MIXTURE_SOURCE_TYPES, SECTION_SOURCES, SourceConfig, first_set_option
 
 __all__ = ["MixtureDataLoader", "MixtureSchedule", "parse_sources"]
 
 logger = logging.getLogger("hyper_parallel.data")
 
 
-def parse_sources(entries: Sequence[SourceConfig | Mapping[str, Any]]) -> list[SourceConfig]:
-    """Check ``data.sources`` (run-file dicts or :class:`SourceConfig`); errors name the entry."""
-    names = [f.name for f in fields(SourceConfig)]
+def parse_sources(entries: Sequence[SourceConfig]) -> list[SourceConfig]:
+    """Check ``data.sources`` (run files' tables became :class:`SourceConfig` when the config was read);
+    errors name the entry and the field."""
     out: list[SourceConfig] = []
     for i, entry in enumerate(entries):
         where = f"data.sources[{i}]"
-        if isinstance(entry, Mapping):
-            unknown = [k for k in entry if k not in names]
-            if unknown:
-                close = difflib.get_close_matches(unknown[0], names, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else f"; keys: {', '.join(names)}"
-                raise ValueError(f"{where} ({entry.get('name', '?')!r}): unknown key {unknown[0]!r}{hint}")
-            entry = SourceConfig(**dict(entry))
         if not isinstance(entry, SourceConfig):
-            raise ValueError(f"{where} must be a mapping of source options, got {type(entry).__name__}")
+            raise ValueError(f"{where} must be a SourceConfig (a [[data.sources]] table), got {type(entry).__name__}")
         name = entry.name
         if not name or not isinstance(name, str) or any(c in name for c in "/ \t\n"):
             raise ValueError(f"{where} needs a `name` without '/' or spaces (metric keys use it), got {name!r}")
@@ -83,18 +75,24 @@ def parse_sources(entries: Sequence[SourceConfig | Mapping[str, Any]]) -> list[S
         weight = entry.weight
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
             raise ValueError(f"{where}: weight={weight!r} must be a number > 0")
-        if entry.loss_on not in ("", "document", "assistant", "all", "image", "text"):
-            raise ValueError(f"{where}: loss_on={entry.loss_on!r} must be one of document, assistant, all, image, text")
-        if entry.loss_on in ("image", "text") and entry.source != "direct_token":
+        if entry.chat.loss_on not in ("document", "assistant", "all"):
             raise ValueError(
-                f"{where}: loss_on={entry.loss_on!r} needs image and text targets in one stream (source "
-                f"direct_token); a {entry.source} source takes loss_on document, assistant or all"
+                f"{where}: loss_on={entry.chat.loss_on!r} (chat.loss_on) must be document, assistant or all; image and "
+                "text targets are a direct_token source's direct_token.loss_on"
             )
-        if entry.loss_on in ("assistant", "all") and entry.source == "direct_token":
+        if entry.direct_token.loss_on not in ("document", "image", "text"):
             raise ValueError(
-                f"{where}: loss_on={entry.loss_on!r} is for conversations (text, vision_language); a direct_token "
-                "source takes loss_on document, image or text"
+                f"{where}: loss_on={entry.direct_token.loss_on!r} (direct_token.loss_on) must be document, image or "
+                "text; conversations are a text or vision_language source's chat.loss_on"
             )
+        for section, readers in SECTION_SOURCES.items():
+            options = getattr(entry, section)
+            changed = first_set_option(options) if entry.source not in readers else None
+            if changed is not None:
+                raise ValueError(
+                    f"{where}: {changed}={getattr(options, changed)!r} ({section}.{changed}) is an option of "
+                    f"{' and '.join(readers)} sources, not of a {entry.source} source: remove it"
+                )
         if entry.on_bad_sample not in ("", "error", "skip"):
             raise ValueError(f"{where}: on_bad_sample={entry.on_bad_sample!r} must be error, skip or empty")
         clash = [j for j, o in enumerate(out) if o.name == name]
@@ -215,12 +213,19 @@ class MixtureDataLoader(WorkerReads, BaseDataLoader):
                 f"data.path={c.path!r} and data.sources are both set: give the path of each source in its "
                 "data.sources entry (a single --data.path is a one-source run without data.sources)"
             )
+        for section in SECTION_SOURCES:  # each source has its own: one left in the data section would be unused
+            changed = first_set_option(getattr(c, section))
+            if changed is not None:
+                raise ValueError(
+                    f"data.{section}.{changed}={getattr(getattr(c, section), changed)!r} and data.sources are both "
+                    f"set: a mixture reads each source's own {section} section; set {section}.{changed} in the "
+                    "data.sources entries"
+                )
         self.sources = parse_sources(c.sources)
         self.source_names = tuple(s.name for s in self.sources)
         self.children: list[ShardedDataLoader] = [self._build_child(s, kwargs) for s in self.sources]
         for child, src in zip(self.children, self.sources):
             self._check_readable(child, src)
-        self._vocab = [int(getattr(getattr(ch, "spec", None), "lang_vocab_size", 0)) for ch in self.children]
         total = sum(float(s.weight) for s in self.sources)
         self.weights = [float(s.weight) / total for s in self.sources]
         """Normalised weights (shares of the tokens), in ``source_names`` order."""
@@ -230,21 +235,12 @@ class MixtureDataLoader(WorkerReads, BaseDataLoader):
     # -- construction --------------------------------------------------------------------------
     def _build_child(self, src: SourceConfig, kwargs: Mapping[str, Any]) -> ShardedDataLoader:
         c = self.config
-        overrides = {
-            "source": src.source,
-            "path": src.path,
-            "sources": [],
-            "global_batch_tokens": 0,
-            "num_workers": 0,  # the mixture runs the workers (one DataLoader over every source)
-            "on_bad_sample": src.on_bad_sample or c.on_bad_sample,
-            "tokenizer": src.tokenizer or c.tokenizer,
-            "text_column": src.text_column or c.text_column,
-            "split_long_documents": src.split_long_documents or c.split_long_documents,
-            "chat_column": src.chat_column or c.chat_column,
-            # image/text act on a direct_token stream here (_finish); the others are the source's own
-            "loss_on": src.loss_on if src.loss_on in ("document", "assistant", "all") else c.loss_on,
-        }
-        child_config = dataclasses.replace(c, **overrides)
+        child_config = dataclasses.replace(
+            c, source=src.source, path=src.path, sources=[], global_batch_tokens=0,
+            num_workers=0,  # the mixture runs the workers (one DataLoader over every source)
+            on_bad_sample=src.on_bad_sample or c.on_bad_sample, tokenizer=src.tokenizer or c.tokenizer,
+            **{section: getattr(src, section) for section in SECTION_SOURCES},  # the source's own sections
+        )  # fmt: skip
         try:
             child = child_config.build(**kwargs)
         except (ValueError, OSError) as e:  # BadSampleError and FileNotFoundError included
@@ -290,18 +286,14 @@ class MixtureDataLoader(WorkerReads, BaseDataLoader):
         return s, ReadItem(g, tuple(child.table.span(ref) for ref in child._planner.bin(k)))
 
     def _finish(self, g: int, batch: dict[str, Any]) -> dict[str, Any]:
-        return self.finish_source(self._schedule.entry(g)[0], batch)
+        s = self._schedule.entry(g)[0]
+        return self.finish_source(s, self.children[s].finish(batch))
 
     def finish_source(self, s: int, batch: dict[str, Any]) -> dict[str, Any]:
-        """A micro-batch of source ``s`` (read by its child loader) as the mixture gives it: ``source_ids``
-        added and the source's ``loss_on`` applied (a validator reads each source's own pass this way)."""
-        labels = batch["labels"]
-        loss_on = self.sources[s].loss_on
-        if loss_on in ("image", "text"):
-            image = labels >= self._vocab[s]  # DirectToken image targets are code + vocab_size
-            drop = (labels != IGNORE_INDEX) & (~image if loss_on == "image" else image)
-            batch["labels"] = labels.masked_fill(drop, IGNORE_INDEX)
-        batch["source_ids"] = torch.full(labels.shape, s, dtype=torch.int64)
+        """A micro-batch of source ``s`` as its child loader gives it (its own label policy applied,
+        :meth:`ShardedDataLoader.finish`), tagged as the mixture tags it: ``source_ids`` added (a validator reads
+        each source's own pass this way)."""
+        batch["source_ids"] = torch.full(batch["labels"].shape, s, dtype=torch.int64)
         return batch
 
     def _micro_batches(self, gs: range) -> list[dict[str, Any]]:
@@ -375,7 +367,7 @@ class MixtureDataLoader(WorkerReads, BaseDataLoader):
             "seed": c.seed,
             "max_tokens_per_microbatch": c.max_tokens_per_microbatch,
             "sources": list(self.source_names),
-            # weights and loss_on are not part of the order: they may change on resume
+            # weights and the label policies (loss_on) are not part of the order: they may change on resume
             **{f"source/{name}": child._order() for name, child in zip(self.source_names, self.children)},
         }
 

@@ -342,7 +342,7 @@ class ShardedDataLoader(WorkerReads, BaseDataLoader):
             open_bins=c.packing_bins,
             window=c.shuffle_buffer if c.shuffle_buffer > 1 else 1024,
             shuffle=c.shuffle_buffer > 1,
-            split_long=c.split_long_documents,
+            split_long=c.text.split_long_documents,
             skip_bad=c.on_bad_sample == "skip",
             source=self.codec.label,
             cursor=cursor,
@@ -372,9 +372,14 @@ class ShardedDataLoader(WorkerReads, BaseDataLoader):
 
     # -- reading -------------------------------------------------------------------------------
     def _micro_batches(self, gs: range) -> list[dict[str, Any]]:
-        out = self._read(gs)
+        out = [self.finish(batch) for batch in self._read(gs)]
         self._planner.release(self._clamp(gs[0] + self.global_micro_batches - self.dp_rank * self.micro_batches_per_step - 1))
         return out
+
+    def finish(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """A read micro-batch as this source gives it (a mixture calls it on the batches it reads from this
+        source); the source's own label policy goes here. Default: unchanged."""
+        return batch
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -393,7 +398,7 @@ class ShardedDataLoader(WorkerReads, BaseDataLoader):
             "index": [self.index_spec.kind, dict(self.index_spec.params)],
             "shuffle_buffer": c.shuffle_buffer,
             "packing_bins": c.packing_bins,
-            "split_long_documents": c.split_long_documents,
+            "split_long_documents": c.text.split_long_documents,
             # only when set: checkpoints of runs without a split keep resuming
             **({"holdout": self.holdout.order()} if self.holdout is not None else {}),
         }

@@ -12,16 +12,15 @@ offline smoke data and are not checked.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hyper_parallel.config.errors import ConfigError
 from hyper_parallel.data.tokenizer import has_tokenizer, tokenizer_differences, tokenizer_fingerprint
 
+if TYPE_CHECKING:
+    from hyper_parallel.data.base import DataConfig
+
 __all__ = ["check_run_tokenizer", "run_tokenizers"]
-
-
-def _get(source: Any, key: str, default: Any = "") -> Any:
-    return source.get(key, default) if isinstance(source, dict) else getattr(source, key, default)
 
 
 def _recorded(path: str) -> tuple[str, dict[str, str]] | None:
@@ -35,15 +34,14 @@ def _recorded(path: str) -> tuple[str, dict[str, str]] | None:
         return None  # no shards here: the loader names the path
 
 
-def run_tokenizers(data: Any) -> list[tuple[str, str, str | None]]:
+def run_tokenizers(data: DataConfig) -> list[tuple[str, str, str | None]]:
     """``(what, tokenizer folder, recorded fingerprint or None)`` for every tokenizer the run's data uses."""
     sources = list(data.sources) or [data]
     out: list[tuple[str, str, str | None]] = []
     for i, source in enumerate(sources):
-        name = "data" if source is data else f"data.sources[{i}] ({_get(source, 'name') or _get(source, 'source')})"
-        tokenizer = _get(source, "tokenizer") or data.tokenizer
-        kind = _get(source, "source", "direct_token") or data.source
-        path = _get(source, "path")
+        name = "data" if source is data else f"data.sources[{i}] ({source.name or source.source})"
+        tokenizer = source.tokenizer or data.tokenizer
+        kind, path = source.source, source.path
         if tokenizer:
             out.append((f"{name}.tokenizer", tokenizer, None))
         elif kind == "vision_language" and path:
@@ -55,7 +53,7 @@ def run_tokenizers(data: Any) -> list[tuple[str, str, str | None]]:
     return out
 
 
-def check_run_tokenizer(model_folder: str | None, data: Any, *, allow: bool | None = None) -> None:
+def check_run_tokenizer(model_folder: str | None, data: DataConfig, *, allow: bool | None = None) -> None:
     """Refuse a run whose data uses a tokenizer other than ``model_folder``'s (see the module doc). ``allow``
     (default: ``data.allow_foreign_tokenizer``) lets it pass."""
     allow = data.allow_foreign_tokenizer if allow is None else allow

@@ -32,13 +32,13 @@ from hyper_parallel.config.errors import ConfigError
 from hyper_parallel.config.parallelism import ParallelismConfig
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.distributed.pipeline_plan import (
-    StageSpan,
     min_microbatches,
     plan_stages,
     schedule_rules,
     stage_ranks,
     stages_of_rank,
 )
+from hyper_parallel.protocols.pipeline_stage import StageSpan
 
 __all__ = ["PipelineParallel", "check_microbatches"]
 

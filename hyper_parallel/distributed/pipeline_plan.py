@@ -4,8 +4,8 @@ Pure arithmetic over model facts (no process group), shared by the trainer and t
 
 A model of ``L`` decoder layers is cut into ``S = pp x stages_per_rank`` contiguous stages. Stage 0 also holds
 the input side (the token embedding and whatever else the model feeds its first layer: an image path), the last
-stage the output side (final norm, LM head, an MTP block): their costs come with the model's facts (``StageCosts``), so the
-automatic split balances ``first + layers`` against ``layers + last``. A manual split
+stage the output side (final norm, LM head, an MTP block): their costs come with the model's facts (``StageCosts``,
+``protocols/pipeline_stage.py``), so the automatic split balances ``first + layers`` against ``layers + last``. A manual split
 (``--parallelism.pipeline_split``) gives the first layer of every stage after the first.
 
 Stages map to ranks the way torch.distributed.pipelining's schedules expect: one stage per rank (1F1B, GPipe),
@@ -25,10 +25,10 @@ from typing import Literal, get_args, get_type_hints
 
 from hyper_parallel.config.errors import ConfigError
 from hyper_parallel.config.parallelism import ParallelismConfig
+from hyper_parallel.protocols.pipeline_stage import StageCosts, StageSpan
 
 __all__ = [
-    "SCHEDULES", "ScheduleRules", "StageCosts", "StageSpan", "min_microbatches", "plan_stages", "schedule_rules",
-    "stage_ranks", "stages_of_rank",
+    "SCHEDULES", "ScheduleRules", "min_microbatches", "plan_stages", "schedule_rules", "stage_ranks", "stages_of_rank",
 ]  # fmt: skip
 
 _P = "--parallelism."
@@ -76,39 +76,6 @@ def min_microbatches(schedule: str, pp: int, stages_per_rank: int) -> int:
     """The fewest micro-batches per step ``schedule`` runs over ``pp`` ranks of ``stages_per_rank`` stages."""
     need = schedule_rules(schedule).min_microbatches
     return {"one": 1, "pp": pp, "stages": pp * stages_per_rank}[need]
-
-
-@dataclass(frozen=True)
-class StageCosts:
-    """A model's cost facts for the split (any unit, e.g. training FLOPs per token)."""
-
-    layers: tuple[float, ...]
-    """One cost per decoder layer (a DeltaNet layer and an attention layer differ, an MoE layer counts its active
-    experts)."""
-    first: float = 0.0
-    """The input side on stage 0: embedding, VQ projection, vision tower."""
-    last: float = 0.0
-    """The output side on the last stage: final norm, LM head, MTP block."""
-    first_stage_min_layers: int = 0
-    """Layers that must sit on stage 0 (the input side feeds them directly, e.g. a vision tower's intermediate
-    features added after the first layers)."""
-
-
-@dataclass(frozen=True)
-class StageSpan:
-    """One pipeline stage: its index and the decoder layers it holds."""
-
-    index: int
-    num_stages: int
-    layers: range
-
-    @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.index == self.num_stages - 1
 
 
 def _spans(bounds: Sequence[int], num_layers: int) -> list[StageSpan]:

@@ -14,7 +14,7 @@ such statistics (it has ``set_token_split(pool)``) one differentiable sum over t
 
 Why the backward leaves tp out. A loss built from the pooled sums is the same on every rank of the block, and
 the summed gradients differentiate what the trainer adds up: a copy per CP rank (the trainer weights each by
-``1 / (micro-batches x dp x cp)``: CP ranks hold different tokens, ``Trainer._token_ranks``), but ONE copy per
+``1 / (micro-batches x dp x cp)``: CP ranks hold different tokens, ``StepRunner.token_ranks``), but ONE copy per
 set of tp ranks (tensor-parallel ranks compute the same loss and count as one token rank; the gradient of a
 weight that sees only the rank's tokens, the router, covers that rank's shard and FSDP sums it over tp). So a
 rank's local sums get the gradient summed over the cp copies (the adjoint of the forward's cp sum) and passed

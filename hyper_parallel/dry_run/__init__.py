@@ -38,8 +38,8 @@ from collections.abc import Sequence
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from hyper_parallel.components.model_builder import resolve_model
 from hyper_parallel.config.errors import ConfigError
-from hyper_parallel.config.lora import apply_lora
 from hyper_parallel.config.manager import ConfigManager
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.config.dtypes import to_torch_dtype
@@ -62,7 +62,7 @@ from hyper_parallel.dry_run.step import (
     simulate_step,
 )
 from hyper_parallel.dry_run.world import MESH_DEVICE, axis_labels, build_parallel_model, fake_world, validate_layout
-from hyper_parallel.protocols.hf_model import resolve_run_model
+from hyper_parallel.hf.folder import folder_family
 from hyper_parallel.protocols.model_spec import ModelSpec, discover_model_spec
 from hyper_parallel.trainer import Trainer
 
@@ -105,13 +105,9 @@ def dry_run(
     ``deltanet_path``: the Gated DeltaNet path whose memory the step models (``deltanet.py``; the report says which).
     """
     spec = discover_model_spec(config.model_spec)
-    # an HF folder (--checkpoint.initial_load_path) is the model, as in the trainer: size the folder's
-    folder = config.checkpoint.initial_load_path
-    model = resolve_run_model(spec, config.model, folder=folder, explicit=config.explicit_model_fields).config
-    if spec.fit_to_data is not None:  # the model the data needs, as in the trainer (GlmImageMoe: an image path)
-        model = spec.fit_to_data(model, config.data.source_types())[0]
-    # LoRA: adapters on the resolved model, as the Trainer applies them (build_parallel_model freezes the base)
-    config = dataclasses.replace(config, model=apply_lora(model, config.lora))
+    # the trainer's run model: an HF folder's (--checkpoint.initial_load_path) or the recipe's, the model its data
+    # needs (GlmImageMoe: an image path), the LoRA adapters on top (the builder freezes the base)
+    config, _ = resolve_model(spec, config, in_run=False)
     document_bounds(config.data.max_tokens_per_microbatch, document_tokens)  # checks the value
     path = None
     if has_deltanet(config.model):
@@ -315,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> DryRunReport:
         )
     if path not in ("auto", "torch", "fla"):
         raise ConfigError(f"--deltanet_path must be auto, torch or fla; got {path!r}")
-    manager = ConfigManager()
+    manager = ConfigManager(folder_family=folder_family)  # the HF folder opened here, once
     config = manager.parse_args(args)
     if world_size is None or not world_size.isdigit() or int(world_size) < 1:
         raise ConfigError(f"--world_size N (the number of ranks to simulate, >= 1) is required; got {world_size!r}")

@@ -1,6 +1,6 @@
 """Host memory of the HF load (``--checkpoint.initial_load_path``) and export (``--checkpoint.export_hf``) per rank.
 
-What ``protocols/hf_storage.py`` does, sized from every rank's shards:
+What ``hf/storage.py`` does, sized from every rank's shards:
 
 - **load**: a rank reads only the slices its own shards cover (``read``: their bytes in the parameters'
   dtype; a bf16 folder read into fp32 parameters reads half). With the parameters on the host (CPU runs)

@@ -37,7 +37,6 @@ Rules (``P`` pipeline ranks, ``M`` micro-batches per step, ``v`` stages per rank
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,17 +47,18 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import FSDPModule
 
 from hyper_parallel.config.dtypes import to_torch_dtype
-from hyper_parallel.config.lora import freeze_lora_base, lora_trainable_names
+from hyper_parallel.components.model_builder import ModelBuilder
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.distributed.pipeline_parallel import check_microbatches
-from hyper_parallel.distributed.pipeline_plan import StageSpan, plan_stages, schedule_rules, stage_ranks, stages_of_rank
+from hyper_parallel.distributed.pipeline_plan import plan_stages, schedule_rules, stage_ranks, stages_of_rank
 from hyper_parallel.dry_run.layout import RankMemory
 from hyper_parallel.dry_run.simulation import CommLog, SimulationMode
-from hyper_parallel.dry_run.step import materialize_with_optimizer, micro_batch
+from hyper_parallel.dry_run.step import materialize_with_optimizer, micro_batch, step_objective, step_runner
 from hyper_parallel.dry_run.timeline import FSDPSegmentTracker, SegmentTracker
 from hyper_parallel.dry_run.world import MESH_DEVICE
 from hyper_parallel.protocols.model import ModelOutput
 from hyper_parallel.protocols.model_spec import ModelSpec
+from hyper_parallel.protocols.pipeline_stage import StageSpan
 from hyper_parallel.trainer import Trainer
 
 __all__ = [
@@ -232,24 +232,13 @@ def pipeline_plan(config: Trainer.Config, pd: ParallelDims, micro_batches: int) 
 def build_stage_parts(
     spec: ModelSpec, config: Trainer.Config, pd: ParallelDims, plan: PipelinePlan, pp_rank: int
 ) -> list[nn.Module]:
-    """Pipeline rank ``pp_rank``'s stage models on the meta device, parallelized as the trainer does (the fake world
-    must be set up as a rank of that group). LoRA: the base frozen before parallelizing, as in the trainer."""
-    parts = []
-    for s in plan.ranks[pp_rank].stages:
-        with torch.device("meta"):
-            part = config.model.build()
-        part.restrict_to_stage(plan.spans[s])
-        if config.lora.enabled:
-            freeze_lora_base(part, lora_trainable_names(part, config.lora.modules_to_save))
-        parts.append(_parallelize(spec, config, pd, part))
-    return parts
-
-
-def _parallelize(spec: ModelSpec, config: Trainer.Config, pd: ParallelDims, part: nn.Module) -> nn.Module:
-    return spec.parallelize_fn(
-        part, parallel_dims=pd, training=config.training, parallelism=config.parallelism,
-        ac_config=config.activation_checkpoint, compile_config=dataclasses.replace(config.compile, enable=False),
-    )  # fmt: skip
+    """Pipeline rank ``pp_rank``'s stage models on the meta device, cut, frozen (LoRA) and parallelized by the
+    trainer's ``ModelBuilder`` (the fake world must be set up as a rank of that group: the builder cuts the stages
+    of the rank's pp coordinate)."""
+    built = ModelBuilder(spec, config, pd).build(compile=False)
+    if built.pipeline is None or built.pipeline.stage_ids != plan.ranks[pp_rank].stages:
+        raise RuntimeError(f"the fake world's rank is not one of pp rank {pp_rank}'s group")
+    return built.parts
 
 
 def _stage_input(span: StageSpan, config: Trainer.Config, pd: ParallelDims, mb: dict) -> tuple:
@@ -308,9 +297,6 @@ def simulate_pipeline_rank(
     n_total = plan.micro_batches
     n_sim = min(n_total, 2)
     log = CommLog()
-    loss_fn = config.loss.build()
-    parallel_ctx = getattr(type(loss_fn), "parallel_context", None)
-    mtp = getattr(config.model, "mtp", None)
     with FakeTensorMode(allow_non_fake_inputs=True), SimulationMode(log), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
         warnings.filterwarnings("ignore", message="DTensor random operators")
@@ -324,9 +310,9 @@ def simulate_pipeline_rank(
         held = 0.0
         with tracker:
             mb = micro_batch(config, pd, parts[0], document_tokens)
-            kwargs = dict(position_ids=mb["position_ids"], cu_seqlens=mb["cu_seqlens"], max_seqlen=mb["max_seqlen"],
-                          **mb.get("model_inputs", {}))  # fmt: skip
-            global_tokens = float(mb["labels"].numel() * pd.dp * pd.cp * n_total)
+            runner = step_runner(spec, config, pd, parts)
+            kwargs = runner.model_kwargs(mb)
+            objective = step_objective(runner, mb, pd, n_total)  # the trainer's, on the last stage
             container.zero_grad()
             for i in range(n_sim):
                 last = i == n_sim - 1
@@ -335,23 +321,15 @@ def simulate_pipeline_rank(
                 held = 0.0
                 for part, span in zip(parts, spans, strict=True):
                     _stage_gradient_policy(part, last=last)
-                    ctx = (parallel_ctx(pd.loss_parallel_enabled) if parallel_ctx is not None and span.is_last
-                           else contextlib.nullcontext())  # fmt: skip
-                    with ctx:
+                    with runner.loss_parallel() if span.is_last else contextlib.nullcontext():
                         before = _current(tracker)
                         out = part(*_stage_input(span, config, pd, mb), **kwargs)
                         held += _current(tracker) - before
                         if span.is_last:
                             if isinstance(out, tuple):  # a stage returns tensors only (as_stage_output)
                                 out = ModelOutput.from_stage_output(out)
-                            logits, aux = getattr(out, "logits", out), getattr(out, "aux_loss", None)
-                            loss = loss_fn(logits, mb["labels"], num_tokens=global_tokens)
-                            if mtp is not None and getattr(out, "mtp_logits", None) is not None:
-                                loss = loss + mtp.loss_weight * loss_fn(out.mtp_logits, mb["mtp_labels"],
-                                                                        num_tokens=global_tokens)  # fmt: skip
-                            if aux is not None:
-                                loss = loss + aux / n_total
-                            del out, logits
+                            loss = objective(out, mb)
+                            del out
                             loss.backward()
                         else:
                             outs = [t for t in out if torch.is_tensor(t) and t.requires_grad]

@@ -1,6 +1,7 @@
 """One simulated training step of one rank: peak memory (``FSDPMemTracker``) and collectives (``CommLog``).
 
-The step mirrors ``Trainer.train_step`` on a text-only micro-batch of ``data.max_tokens_per_microbatch``
+The step is the trainer's (``components/step.py``: ``StepRunner`` and ``StepObjective``, nothing copied) on a
+text-only micro-batch of ``data.max_tokens_per_microbatch``
 tokens (one packed document; this rank's context-parallel chunk; with MTP on, image positions where the model
 takes images, ``mtp_batch.py``): gradient-sync policy per micro-batch,
 loss-parallel context, backward, optimizer step. Everything runs under ``FakeTensorMode`` on the fake
@@ -17,7 +18,6 @@ directly, for the peak per segment of the step (``timeline.py``: the moment of t
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 import warnings
@@ -30,7 +30,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import FSDPModule
 
-from hyper_parallel.distributed.fsdp import set_gradient_reduction
+from hyper_parallel.components.step import StepCounts, StepObjective, StepRunner
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.dry_run.deltanet import document_bounds
 from hyper_parallel.dry_run.layout import OptimizerStateLayout, optimizer_state_layout
@@ -49,7 +49,7 @@ from hyper_parallel.trainer import Trainer
 
 __all__ = [
     "LayerPlan", "StepMeasurement", "layer_plan", "materialize_with_optimizer", "micro_batch", "micro_batches_per_step",
-    "builds_at_depth", "model_config_at_depth", "simulate_step",
+    "builds_at_depth", "model_config_at_depth", "simulate_step", "step_objective", "step_runner",
 ]
 
 _LAYER_FQN = re.compile(r"^layers\.(\d+)\.(.*)$")
@@ -194,43 +194,39 @@ def micro_batch(config: Trainer.Config, pd: ParallelDims, model: nn.Module, docu
     }
 
 
+def step_runner(spec: ModelSpec, config: Trainer.Config, pd: ParallelDims, parts: list[nn.Module]) -> StepRunner:
+    """The trainer's step mechanics (``components/step.py``) over the simulated ``parts``; without a pipeline
+    schedule (``pipeline.py`` steps the stages itself)."""
+    return StepRunner(
+        parts, model_cls=spec.model, parallel_dims=pd, device=torch.device(MESH_DEVICE), loss_fn=config.loss.build(),
+        mtp=getattr(config.model, "mtp", None), defer_grad_reduce=config.training.defer_grad_reduce,
+    )  # fmt: skip
+
+
+def step_objective(runner: StepRunner, mb: dict[str, Any], pd: ParallelDims, n_total: int) -> StepObjective:
+    """The trainer's objective of a step of ``n_total`` micro-batches like ``mb`` on every token rank; the counts are
+    the simulated step's (every position labelled), not all-reduced: the report leaves the scalar all-reduces out."""
+    tokens = float(mb["labels"].numel() * pd.dp * pd.cp * n_total)
+    return StepObjective(runner, StepCounts(tokens, tokens, tokens, micro_batches=n_total))
+
+
 def _run_step(
-    model: nn.Module, optimizers: Any, config: Trainer.Config, pd: ParallelDims, log: CommLog, n_micro: int,
-    after_backward: Callable[[], None] = lambda: None,
+    spec: ModelSpec, model: nn.Module, optimizers: Any, config: Trainer.Config, pd: ParallelDims, log: CommLog,
+    n_micro: int, after_backward: Callable[[], None] = lambda: None,
     before_micro_batch: Callable[[int], None] = lambda i: None,
     document_tokens: int = 0,
 ) -> None:
-    loss_fn = config.loss.build()
-    parallel_ctx = getattr(type(loss_fn), "parallel_context", None)
-    mtp = getattr(config.model, "mtp", None)  # the MTP block: its forward, head and loss count like the trainer's
+    """``n_micro`` micro-batches of the trainer's step (``StepRunner.backward``: gradient-sync policy, loss parallel,
+    forward, objective, backward), then the optimizer step."""
+    runner = step_runner(spec, config, pd, [model])
     mb = micro_batch(config, pd, model, document_tokens)
-    global_tokens = float(mb["labels"].numel() * pd.dp * pd.cp * n_micro)
-    mtp_kwargs = mb.get("model_inputs", {})  # mtp_input_ids and the model's image inputs
+    objective = step_objective(runner, mb, pd, micro_batches_per_step(config, pd))
     optimizers.zero_grad()
     for i in range(n_micro):
         last = i == n_micro - 1
         log.phase = "last" if last else "first"
         before_micro_batch(i)
-        set_gradient_reduction(
-            model, last=last, defer=config.training.defer_grad_reduce, replicated=pd.dp_replicate > 1
-        )  # the Trainer's policy
-        ctx = parallel_ctx(pd.loss_parallel_enabled) if parallel_ctx is not None else contextlib.nullcontext()
-        with ctx:
-            out = model(
-                mb["input_ids"],
-                position_ids=mb["position_ids"],
-                cu_seqlens=mb["cu_seqlens"],
-                max_seqlen=mb["max_seqlen"],
-                **mtp_kwargs,
-            )
-            logits, aux = getattr(out, "logits", out), getattr(out, "aux_loss", None)
-            loss = loss_fn(logits, mb["labels"], num_tokens=global_tokens)
-            if mtp is not None:
-                loss = loss + mtp.loss_weight * loss_fn(out.mtp_logits, mb["mtp_labels"], num_tokens=global_tokens)
-            if aux is not None:
-                loss = loss + aux / n_micro
-            del out, logits
-            loss.backward()
+        runner.backward(mb, objective, last=last)
         after_backward()
     log.phase = "last"
     optimizers.step()
@@ -265,7 +261,7 @@ def _measure(
             model.to_empty(device=MESH_DEVICE)
             model.train()
             optimizers = config.optimizer.build(model_parts=[model])
-            _run_step(model, optimizers, config, pd, log, n_sim, document_tokens=document_tokens)
+            _run_step(spec, model, optimizers, config, pd, log, n_sim, document_tokens=document_tokens)
         else:
             optimizers = materialize_with_optimizer(model, config)
         layout = optimizer_state_layout(model, optimizers)
@@ -283,7 +279,7 @@ def _measure(
         with tracker:
             # the tracker keeps its peak across micro-batches, but refuses a second root forward without a reset
             _run_step(
-                model, optimizers, config, pd, log, n_sim, after_backward=tracker.reset_mod_stats,
+                spec, model, optimizers, config, pd, log, n_sim, after_backward=tracker.reset_mod_stats,
                 before_micro_batch=before_micro_batch, document_tokens=document_tokens,
             )  # fmt: skip
         snapshot = tracker.get_tracker_snapshot("peak")

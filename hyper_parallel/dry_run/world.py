@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
-from hyper_parallel.config.lora import freeze_lora_base, lora_trainable_names
+from hyper_parallel.components.model_builder import ModelBuilder, validate_model_layout
 from hyper_parallel.distributed.env import destroy_distributed
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.protocols.model_spec import ModelSpec
-from hyper_parallel.trainer import Trainer, validate_model_layout
+from hyper_parallel.trainer import Trainer
 
 __all__ = ["MESH_DEVICE", "axis_labels", "build_parallel_model", "fake_world", "validate_layout"]
 
@@ -53,25 +51,14 @@ def validate_layout(spec: ModelSpec, config: Trainer.Config, parallel_dims: Para
 def build_parallel_model(
     spec: ModelSpec, config: Trainer.Config, parallel_dims: ParallelDims, model_config: Any = None
 ) -> nn.Module:
-    """Build ``model_config`` (default: the run's) on the meta device and apply the run's parallelize path.
+    """``model_config`` (default: the run's) built and parallelized by the trainer's ``ModelBuilder`` (meta, LoRA base
+    frozen, the run's parallelize path), as one whole model even under pipeline parallel (``pipeline.py`` builds the
+    stages).
 
-    ``torch.compile`` is left out: the simulated step runs eagerly (compiled kernels may use less memory).
-    With LoRA on (the run's model config is already ``apply_lora``'s), everything but the adapters and
-    ``--lora.modules_to_save`` is frozen before parallelizing, as the Trainer does, so the parallelize path stores
-    the frozen base in the compute dtype and the census counts no gradient or optimizer state for it.
+    ``torch.compile`` is left out: the simulated step runs eagerly (compiled kernels may use less memory). With LoRA
+    on, the frozen base is stored in the compute dtype and the census counts no gradient or optimizer state for it.
     """
-    with torch.device("meta"):
-        model = (model_config if model_config is not None else config.model).build()
-    if config.lora.enabled:
-        freeze_lora_base(model, lora_trainable_names(model, config.lora.modules_to_save))
-    return spec.parallelize_fn(
-        model,
-        parallel_dims=parallel_dims,
-        training=config.training,
-        parallelism=config.parallelism,
-        ac_config=config.activation_checkpoint,
-        compile_config=dataclasses.replace(config.compile, enable=False),
-    )
+    return ModelBuilder(spec, config, parallel_dims).build(model_config, compile=False, stages=False).parts[0]
 
 
 def axis_labels(parallel_dims: ParallelDims) -> dict[str, str]:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hyper_parallel.protocols.hf_spec import HFSpec
+
 __all__ = [
-    "HF_MODEL_TYPES",
-    "HFMtp",
     "ModelSpec",
     "default_data_facts",
     "discover_model_spec",
@@ -38,18 +38,6 @@ def default_data_facts(model_config: Any) -> dict[str, Any]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class HFMtp:
-    """How a family's HF folders carry a multi-token-prediction block (Qwen3.5 ``mtp.*``, GLM's nextn layer)."""
-
-    count_key: str
-    """``config.json`` key (in ``text_config`` or at top level) holding the number of MTP layers."""
-    config_from_hf: Callable[[Mapping[str, Any]], Any]
-    """The family's HF config reader with the folder's MTP block on (raises, naming ``count_key``, without one)."""
-    tensor_prefixes: Callable[[Mapping[str, Any]], tuple[str, ...]]
-    """``tensor_prefixes(hf_config)``: HF key prefixes of the MTP block's tensors in such a folder."""
-
-
-@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """Everything the model-agnostic trainer needs to know about one model package (typed, all optional
     beyond the first three)."""
@@ -60,22 +48,11 @@ class ModelSpec:
     """The ``BaseModel`` subclass; ``model.Config`` is its config type."""
     parallelize_fn: Callable[..., Any]
     """``parallelize_<name>(model, *, parallel_dims, training, parallelism, ac_config, compile_config)``."""
-    state_dict_adapter: type | None = None
-    """``BaseStateDictAdapter`` subclass converting our state dict to and from the HF format."""
     flavor: str = ""
     """Default recipe of the package (``glm_image_moe_debug``)."""
-    from_pretrained: Callable[..., Any] | None = None
-    """``from_pretrained(path, *, dtype=, device=, mtp=, **overrides) -> model``: build a model from an HF folder
-    (``hf_model.pretrained_io`` derives it from the fields below; ``mtp=None`` follows the folder)."""
-    save_pretrained: Callable[..., Any] | None = None
-    """``save_pretrained(model, path, *, state_dict=None, dtype=None)``: write the HF format (``state_dict``
-    replaces the model's weights, e.g. EMA weights; with sharded DTensors every rank calls it and writes its
-    own files); the trainer's ``--checkpoint.export_hf``."""
-    load_hf_weights: Callable[[Any, str], Any] | None = None
-    """``load_hf_weights(model, path, *, init_missing=None)``: load an HF folder into a whole or a parallelized
-    model in place (each rank reads only its shards; ``init_missing()`` runs first when the folder does not fill
-    every parameter), keeping keys it does not model for the export; the trainer's
-    ``--checkpoint.initial_load_path``."""
+    hf: HFSpec | None = None
+    """The family's HF checkpoint facts (key mapping, config reader, MTP block); None: no HF folders. The engine
+    that uses them is ``hyper_parallel.hf`` (``load_hf_weights``, ``save_pretrained``, ``from_pretrained``)."""
     validate_layout: Callable[[Any, Any], None] | None = None
     """``validate_layout(model_config, parallel_dims)``: raise, naming the degree to change, when the layout
     does not fit the model; runs before anything is built."""
@@ -84,34 +61,10 @@ class ModelSpec:
     data_facts: Callable[[Any], dict[str, Any]] = default_data_facts
     """``data_facts(model_config) -> dict``: model facts the data source checks samples against
     (vocabulary size; GlmImageMoe adds its codebook size and placeholder id)."""
-    config_from_hf: Callable[[Mapping[str, Any]], Any] | None = None
-    """``config_from_hf(hf_config_dict) -> model.Config``: the family's HF config reader (MTP off), the one
-    ``from_pretrained`` uses; with it an HF folder given as ``--checkpoint.initial_load_path`` is the run's model."""
-    hf_mtp: HFMtp | None = None
-    """How the family's HF folders carry an MTP block (None: the family has none)."""
     fit_to_data: Callable[[Any, tuple[str, ...]], tuple[Any, str | None]] | None = None
     """``fit_to_data(model_config, data_source_types) -> (model_config, note)``: the model a run's data needs, after
     the folder/recipe resolution (GlmImageMoe grows its image path for image-token data); ``note``: a line the
     trainer logs when the model changed, else None."""
-    fields_not_in_hf: Callable[[Mapping[str, Any]], tuple[str, ...]] | None = None
-    """``fields_not_in_hf(hf_config_dict)``: top-level model fields such a folder does not set (a text-only GLM
-    folder: the image path), which a run started from it takes from the recipe."""
-
-
-HF_MODEL_TYPES: dict[str, tuple[str, ...]] = {
-    # Qwen3_5ForConditionalGeneration: its text part, or the whole VL model (Qwen3.5 dense VL, qwen3_vl_moe)
-    "qwen3_5": ("qwen3_5", "qwen3_vl_moe"),
-    "qwen3_5_text": ("qwen3_5",),  # Qwen3_5ForCausalLM
-    # Qwen3_5MoeForConditionalGeneration: the text part, or the whole VL model (Qwen3.5-MoE VL, qwen3_vl_moe)
-    "qwen3_5_moe": ("qwen3_5_moe", "qwen3_vl_moe"),
-    "qwen3_5_moe_text": ("qwen3_5_moe",),  # Qwen3_5MoeForCausalLM
-    "qwen3_vl_moe": ("qwen3_vl_moe",),  # Qwen3VLMoeForConditionalGeneration
-    "qwen3_vl": ("qwen3_vl_moe",),  # Qwen3VLForConditionalGeneration (Qwen3-VL dense): the VL package's qwen3_vl family
-    "glm4_moe_lite": ("glm_image_moe",),  # Glm4MoeLiteForCausalLM (GLM-4.7-Flash): the text part of GlmImageMoe
-    "glm_image_moe": ("glm_image_moe",),
-}
-"""HF ``config.json`` ``model_type`` -> the registered specs that read such a folder, the default first (the
-one table that maps a folder to a model package: ``--module`` and ``hyper_parallel.from_pretrained(path)``)."""
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from hyper_parallel.data.bad_samples import IGNORE_INDEX
 from hyper_parallel.data.direct_token.sample import (
     DIRECT_TOKEN_BAD_KINDS,
     DirectTokenCodec,
@@ -43,9 +44,9 @@ class TokenDataLoader(ShardedDataLoader):
             max_tokens=config.max_tokens_per_microbatch,
         )
         self._check_pad_token(self.spec.lang_vocab_size, self.spec.placeholder_token_id)
-        if config.split_long_documents:
+        if config.text.split_long_documents:
             raise ValueError(
-                "data.split_long_documents is for text: a DirectToken document cannot be cut (its images would "
+                "data.text.split_long_documents is for text: a DirectToken document cannot be cut (its images would "
                 "be split from their codes); raise data.max_tokens_per_microbatch or split the documents offline"
             )
 
@@ -68,6 +69,17 @@ class TokenDataLoader(ShardedDataLoader):
 
     def _codec(self) -> DirectTokenCodec:
         return DirectTokenCodec(self.spec)
+
+    def finish(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """``data.direct_token.loss_on``: `image` keeps only the image targets (code + vocab_size), `text` only the
+        text targets; `document` leaves the labels as the documents set them."""
+        loss_on = self.config.direct_token.loss_on
+        if loss_on in ("image", "text"):
+            labels = batch["labels"]
+            image = labels >= self.spec.lang_vocab_size
+            drop = (labels != IGNORE_INDEX) & (~image if loss_on == "image" else image)
+            batch["labels"] = labels.masked_fill(drop, IGNORE_INDEX)
+        return batch
 
     def _order(self) -> dict[str, Any]:
         s = self.spec

@@ -15,18 +15,18 @@
   the first step.
 
 An empty ``data.path`` uses the embedded toy text corpus and its tokenizer (its conversations when
-``data.chat_column`` is set). From the shards on it is
+``data.text.chat_column`` is set). From the shards on it is
 the shared shard machinery (:mod:`.sharded`): a layout-independent global plan, reads by offset.
 Documents longer than ``max_tokens_per_microbatch`` are bad samples (``too_long``) or, with
-``data.split_long_documents``, cut into pieces of at most that many tokens.
+``data.text.split_long_documents``, cut into pieces of at most that many tokens.
 
-**Chats** (``data.chat_column``): each record is a conversation rendered with the tokenizer's chat
+**Chats** (``data.text.chat_column``): each record is a conversation rendered with the tokenizer's chat
 template; its shard record holds ``<key>.assistant_mask.npy`` (uint8 ``[L]``, 1 at the tokens of
 assistant turns, :mod:`hyper_parallel.data.chat`) next to its tokens (a pre-tokenised shard may carry
-one too). ``data.loss_on``: ``document`` (default) trains a chat on its assistant turns and plain text
+one too). ``data.chat.loss_on``: ``document`` (default) trains a chat on its assistant turns and plain text
 on every token; ``assistant`` trains assistant turns only (a record without any is a ``no_assistant``
 bad sample); ``all`` trains every token. A conversation longer than the micro-batch is a
-``too_long`` bad sample with ``data.long_conversations=drop`` (stops the run, or skipped and counted
+``too_long`` bad sample with ``data.chat.long_conversations=drop`` (stops the run, or skipped and counted
 with ``on_bad_sample=skip``), or with ``cut`` ends after its last assistant turn that fits (counted in
 the metric ``data/conversations_cut``).
 """
@@ -164,7 +164,7 @@ class TextCodec:
             raise BadSample(
                 "too_long",
                 f"{n} tokens exceed the packing budget data.max_tokens_per_microbatch={self.max_tokens}{_where(files)} "
-                "(raise it, or set data.split_long_documents to cut long documents)",
+                "(raise it, or set data.text.split_long_documents to cut long documents)",
             )
         tokens = tokens.astype(np.int64)
         bad = (tokens < 0) | (tokens >= self.vocab_size)
@@ -344,7 +344,7 @@ class HuggingFaceTextDataLoader(ShardedDataLoader):
 
             toy = cached_toy_text(c.cache_dir)
             # a chat column names the embedded conversations (toy_chat.jsonl: {"id", "messages"})
-            path, tokenizer = toy.chat_file if self._chat_column() else toy.text_file, tokenizer or toy.tokenizer_dir
+            path, tokenizer = toy.chat_file if c.text.chat_column else toy.text_file, tokenizer or toy.tokenizer_dir
         return self._tokenize(path, tokenizer)
 
     def _tokenize(self, path: str, tokenizer: str) -> list[str]:
@@ -365,9 +365,9 @@ class HuggingFaceTextDataLoader(ShardedDataLoader):
                 f"{self.vocab_size}: use the model's tokenizer (or a model with a larger vocabulary)"
             )
         spec = TextRecordSpec(
-            text_column=c.text_column, chat_column=self._chat_column() or None,
-            system_prompt=self._option("system_prompt", ""), reasoning_effort=self._option("reasoning_effort", ""),
-            preserve_thinking=self._option("preserve_thinking", None),
+            text_column=c.text.text_column, chat_column=c.text.chat_column or None,
+            system_prompt=c.chat.system_prompt, reasoning_effort=c.chat.reasoning_effort,
+            preserve_thinking=c.chat.preserve_thinking,
         )  # fmt: skip
         start = self.dp_rank * len(files) // self.dp_world_size
         self.tokenized_files = tokenize_to_shards(files, tokenizer, spec, cache_dir=c.cache_dir, start=start)
@@ -386,15 +386,8 @@ class HuggingFaceTextDataLoader(ShardedDataLoader):
             raise BadSampleError(f"data.path={c.path!r} holds no usable text record (skipped: {self._startup_bad})")
         return shards
 
-    # -- chat options (read with defaults: a data config of another source may lack them) --------
-    def _option(self, name: str, default: Any) -> Any:
-        return getattr(self.config, name, default)
-
-    def _chat_column(self) -> str:
-        return self._option("chat_column", "")
-
     def _cut(self) -> bool:
-        return self._option("long_conversations", "drop") == "cut"
+        return self.config.chat.long_conversations == "cut"
 
     def _index_spec(self) -> IndexSpec:
         if not self._cut():
@@ -409,14 +402,14 @@ class HuggingFaceTextDataLoader(ShardedDataLoader):
             stats,
             vocab_size=self.vocab_size,
             max_tokens=c.max_tokens_per_microbatch,
-            split_long=c.split_long_documents,
-            loss_on=self._option("loss_on", "document"),
+            split_long=c.text.split_long_documents,
+            loss_on=c.chat.loss_on,
         )
 
     def _codec(self) -> TextCodec:
         c = self.config
-        loss_on = self._option("loss_on", "document")
-        return TextCodec(self.vocab_size, c.max_tokens_per_microbatch, c.split_long_documents, loss_on, self._cut())
+        split_long = c.text.split_long_documents
+        return TextCodec(self.vocab_size, c.max_tokens_per_microbatch, split_long, c.chat.loss_on, self._cut())
 
     def conversations_cut(self) -> int:
         """Conversations of the corpus that are cut to fit the micro-batch (``long_conversations=cut``)."""
@@ -432,11 +425,11 @@ class HuggingFaceTextDataLoader(ShardedDataLoader):
         """For chats, adds ``data/too_long_skipped`` (conversations dropped for their length, so far) and
         ``data/conversations_cut`` (conversations of the corpus cut to fit, with ``long_conversations=cut``)."""
         out = super().metrics()
-        if self._chat_column():
+        if self.config.text.chat_column:
             out["data/too_long_skipped"] = float(self.bad_sample_counts.get("too_long", 0))
             out["data/conversations_cut"] = float(self.conversations_cut())
         return out
 
     def _order(self) -> dict[str, Any]:
         # loss_on changes labels only, not which records come: a resume may change it
-        return {**super()._order(), "vocab_size": self.vocab_size, "long_conversations": self._option("long_conversations", "drop")}
+        return {**super()._order(), "vocab_size": self.vocab_size, "long_conversations": self.config.chat.long_conversations}

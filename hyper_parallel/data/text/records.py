@@ -245,8 +245,8 @@ def _check_text(record: Mapping[str, Any], spec: TextRecordSpec) -> str:
     if value is None:
         chats = [k for k, v in record.items() if _looks_like_messages(v)]
         hint = (
-            f"; column {chats[0]!r} holds a conversation: train on it with --data.chat_column {chats[0]} "
-            "(and --data.loss_on assistant for assistant turns only)"
+            f"; column {chats[0]!r} holds a conversation: train on it with --data.text.chat_column {chats[0]} "
+            "(and --data.chat.loss_on assistant for assistant turns only)"
             if chats else ""
         )
         raise _bad_sample(

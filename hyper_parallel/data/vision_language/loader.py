@@ -17,7 +17,7 @@ max_tokens_per_microbatch`` patches (every image token is ``merge_size^2`` patch
 separate pixel budget; ``image.max_pixels`` caps a single image (larger ones are resized down, as
 HF does), and a document whose images alone exceed the budget is a ``too_long`` bad sample.
 
-An empty ``data.path`` uses the embedded toy corpus (:mod:`.toy`; with ``data.loss_on=assistant`` its
+An empty ``data.path`` uses the embedded toy corpus (:mod:`.toy`; with ``data.chat.loss_on=assistant`` its
 all-conversation variant, in transformers' content-list form) with the toy text tokenizer;
 otherwise ``data.tokenizer`` must name the model's tokenizer folder.
 """
@@ -79,9 +79,9 @@ class VisionLanguageDataLoader(ShardedDataLoader):
 
     def _prepare(self) -> None:
         c = self.config
-        if c.split_long_documents:
+        if c.text.split_long_documents:
             raise ValueError(
-                "data.split_long_documents is for text: a vision-language document cannot be cut (an image would "
+                "data.text.split_long_documents is for text: a vision-language document cannot be cut (an image would "
                 "be split from its tokens); raise data.max_tokens_per_microbatch or lower image.max_pixels"
             )
         facts = {k: self.fact(k) for k in VL_MODEL_FACTS}
@@ -89,14 +89,13 @@ class VisionLanguageDataLoader(ShardedDataLoader):
             facts["video_token_id"] = int(self.model_facts["video_token_id"])
         video = getattr(c, "video", None) or VideoProcessor.Config()
         self.encoder = make_encoder(
-            self._tokenizer_folder(), self._image_config(), facts, system_prompt=getattr(c, "system_prompt", ""),
+            self._tokenizer_folder(), self._image_config(), facts, system_prompt=c.chat.system_prompt,
             video=video, token_budget=c.max_tokens_per_microbatch,
-            reasoning_effort=getattr(c, "reasoning_effort", ""),
-            preserve_thinking=getattr(c, "preserve_thinking", None),
+            reasoning_effort=c.chat.reasoning_effort, preserve_thinking=c.chat.preserve_thinking,
         )  # fmt: skip
-        if getattr(c, "long_conversations", "drop") == "cut":
+        if c.chat.long_conversations == "cut":
             raise ValueError(
-                "data.long_conversations=cut is for text conversations: a vision-language conversation is not cut "
+                "data.chat.long_conversations=cut is for text conversations: a vision-language conversation is not cut "
                 "(its images would have to be cut with it); use drop, or raise data.max_tokens_per_microbatch"
             )
         self.vocab_size = int(facts["vocab_size"])
@@ -152,7 +151,7 @@ class VisionLanguageDataLoader(ShardedDataLoader):
         from hyper_parallel.data.vision_language.toy import ToyVisionLanguageSpec, cached_toy_vision_language
 
         # loss_on assistant trains conversations only: the toy corpus's chat variant (content-list messages)
-        chats = getattr(self.config, "loss_on", "document") == "assistant"
+        chats = self.config.chat.loss_on == "assistant"
         spec = ToyVisionLanguageSpec(chat_fraction=1.0, content_parts=True) if chats else ToyVisionLanguageSpec()
         if self.encoder.videos is not None:  # a model with a video path trains on toy videos too
             spec = replace(spec, video_fraction=TOY_VIDEO_FRACTION)
@@ -162,12 +161,10 @@ class VisionLanguageDataLoader(ShardedDataLoader):
         return self.encoder.index_spec()
 
     def _classify(self, stats: Mapping[str, np.ndarray]) -> np.ndarray:
-        loss_on = getattr(self.config, "loss_on", "document")
-        return vl_classify(stats, max_tokens=self.config.max_tokens_per_microbatch, loss_on=loss_on)
+        return vl_classify(stats, max_tokens=self.config.max_tokens_per_microbatch, loss_on=self.config.chat.loss_on)
 
     def _codec(self) -> VisionLanguageCodec:
-        loss_on = getattr(self.config, "loss_on", "document")
-        return VisionLanguageCodec(self.encoder, self.config.max_tokens_per_microbatch, loss_on)
+        return VisionLanguageCodec(self.encoder, self.config.max_tokens_per_microbatch, self.config.chat.loss_on)
 
     def _micro_batches(self, gs: range) -> list[dict[str, Any]]:
         # Per-modality tokens of the whole global step (from the plan and the indexes, before the

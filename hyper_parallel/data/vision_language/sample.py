@@ -444,7 +444,7 @@ class VisionLanguageEncoder:
         *,
         loss_on: str = "document",
     ) -> VisionLanguageDocument:
-        """The full document (raises ``BadSample``); ``loss_on`` as ``data.loss_on``."""
+        """The full document (raises ``BadSample``); ``loss_on`` as ``data.chat.loss_on``."""
         record = self.parse(key, files) if record is None else record
         mask = record.assistant_mask
         train_assistant = resolve_loss_on(loss_on, is_chat=mask is not None) == "assistant"

@@ -1,4 +1,9 @@
-"""Common model blocks shared by every model package.
+"""The building-block floor (floor 2, docs/design.md section 2): the blocks every model family composes.
+
+It imports only ``config`` and ``protocols``, never ``distributed``, ``data``, ``hf`` or ``components``
+(``tests/torch/ut/test_import_graph.py``): what a parallelism needs of a block is declared here (its
+``ShardingConfig``, the decoder's ``stage_costs``) and applied on a higher floor. LoRA lives here too: the adapters
+(``lora.py``) and every LoRA decision of a run (``lora_policy.py``).
 
 Each block is a ``Module`` built from its nested ``Config`` (``Linear.Config(bias=False).build(in_features=,
 out_features=)``); a model package composes them in its flavor builder. Token mixers (MLA, GQA, gated

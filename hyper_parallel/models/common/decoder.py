@@ -49,7 +49,6 @@ import torch
 import tyro
 
 from hyper_parallel.config.errors import ConfigError
-from hyper_parallel.distributed.pipeline_plan import StageCosts, StageSpan
 from hyper_parallel.models.common.attention import AttentionMeta
 from hyper_parallel.models.common.block import TransformerBlock, combine_aux_losses
 from hyper_parallel.models.common.embedding import Embedding
@@ -62,6 +61,7 @@ from hyper_parallel.models.common.rope import RoPE
 from hyper_parallel.protocols.model import BaseModel, ModelOutput
 from hyper_parallel.protocols.module import Module, ModuleList, _init_child, unwrapped_name
 from hyper_parallel.protocols.param_init import ParamInit
+from hyper_parallel.protocols.pipeline_stage import StageCosts, StageSpan
 
 __all__ = ["MODEL_OPTIONS", "OFF_CLI", "Decoder"]
 

@@ -16,7 +16,8 @@ pair serves every expert (then a plain matmul over all routed rows). Gate and up
 rows). PEFT refuses dropout on ``target_parameters``, so the experts' adapters have none.
 
 Adapter parameters are named ``lora_A`` / ``lora_B`` (``<weight>_lora_A`` / ``<weight>_lora_B`` on the experts):
-``is_lora_param`` tells them from the base.
+``is_lora_param`` tells them from the base. Which modules get adapters and everything else a LoRA run decides
+(frozen base, checkpoints, resume, export) is ``lora_policy.py``.
 """
 
 from __future__ import annotations

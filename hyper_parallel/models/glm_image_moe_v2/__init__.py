@@ -18,14 +18,10 @@ from typing import Any
 from hyper_parallel.config.errors import ConfigError
 from hyper_parallel.models.glm_image_moe_v2.hf_config import config_from_hf, config_to_hf
 from hyper_parallel.models.glm_image_moe_v2.model import GlmImageMoeModel, glm_image_moe_config, nextn_reader
-from hyper_parallel.models.glm_image_moe_v2.state_dict import (
-    CheckpointKeyError,
-    GlmImageMoeStateDictAdapter,
-    load_hf_weights,
-    save_hf_state_dict,
-)
-from hyper_parallel.protocols.hf_model import pretrained_io
-from hyper_parallel.protocols.model_spec import HFMtp, ModelSpec, lazy_function, register_spec
+from hyper_parallel.models.glm_image_moe_v2.state_dict import CheckpointKeyError, GlmImageMoeStateDictAdapter
+from hyper_parallel.hf.pretrained import pretrained_io
+from hyper_parallel.protocols.hf_spec import HFMtp, HFSpec
+from hyper_parallel.protocols.model_spec import ModelSpec, lazy_function, register_spec
 
 __all__ = [
     "CheckpointKeyError",
@@ -91,41 +87,37 @@ def _fields_not_in_hf(hf: Mapping[str, Any]) -> tuple[str, ...]:
     return ()
 
 
-GLM_IMAGE_MOE_SPEC = pretrained_io(
-    ModelSpec(
-        name="glm_image_moe",
-        model=GlmImageMoeModel,
-        # parallelize.py imports the distributed stack; keep `import hyper_parallel.models.glm_image_moe_v2` light.
-        parallelize_fn=lazy_function(f"{__name__}.parallelize", "parallelize_glm_image_moe"),
-        state_dict_adapter=GlmImageMoeStateDictAdapter,
-        flavor="glm_image_moe_debug",
-        load_hf_weights=load_hf_weights,
-        validate_layout=lazy_function(f"{__name__}.parallelize", "validate_glm_image_moe_layout"),
-        # image tokens, text and chat (assistant-only masks from the template), and mixtures of them
-        data_sources=("direct_token", "text", "preset_pt", "dummy"),
-        data_facts=_data_facts,
-        fit_to_data=_fit_to_data,
+GLM_IMAGE_MOE_SPEC = ModelSpec(
+    name="glm_image_moe",
+    model=GlmImageMoeModel,
+    # parallelize.py imports the distributed stack; keep `import hyper_parallel.models.glm_image_moe_v2` light.
+    parallelize_fn=lazy_function(f"{__name__}.parallelize", "parallelize_glm_image_moe"),
+    flavor="glm_image_moe_debug",
+    # the export form: a model without image path (a GLM-4.7-Flash run) is written as Glm4MoeLite, else GlmImageMoe
+    hf=HFSpec(
+        adapter=GlmImageMoeStateDictAdapter,
         config_from_hf=config_from_hf,
         # GLM-4.7-Flash's nextn layer (vLLM glm4_moe_lite_mtp.py), counted by num_nextn_predict_layers
-        hf_mtp=HFMtp(
+        mtp=HFMtp(
             count_key="num_nextn_predict_layers", config_from_hf=nextn_reader(config_from_hf),
             tensor_prefixes=_nextn_prefixes,
         ),  # fmt: skip
         fields_not_in_hf=_fields_not_in_hf,
     ),
-    save_state_dict=save_hf_state_dict,
-    # a model without image path (a GLM-4.7-Flash run) is written in the Glm4MoeLite form, else GlmImageMoe's
-    save_defaults=lambda model: {"text_only": not model.config.has_image_path},
+    validate_layout=lazy_function(f"{__name__}.parallelize", "validate_glm_image_moe_layout"),
+    # image tokens, text and chat (assistant-only masks from the template), and mixtures of them
+    data_sources=("direct_token", "text", "preset_pt", "dummy"),
+    data_facts=_data_facts,
+    fit_to_data=_fit_to_data,
 )
 register_spec("glm_image_moe", GLM_IMAGE_MOE_SPEC, aliases=("glm_image_moe_v2",))
-from_pretrained = GLM_IMAGE_MOE_SPEC.from_pretrained
+from_pretrained, save_pretrained = pretrained_io(GLM_IMAGE_MOE_SPEC)
 """``from_pretrained(path, *, dtype=torch.float32, device="cpu", mtp=False, **config_overrides)``: a
 GlmImageMoeModel from an HF folder (GlmImageMoe or plain Glm4MoeLite; sharded or single). ``config_overrides``
 replace top-level fields (``image_path=True`` grows an image path on a Glm4MoeLite checkpoint, ``codebook_size``
 ... its sizes); parts a Glm4MoeLite checkpoint lacks (codebook, projection, image head rows) keep their seeded
 initialisation. ``mtp=True``: the nextn layer
 ``model.layers.{num_hidden_layers}.*`` loads into the MTP block."""
-save_pretrained = GLM_IMAGE_MOE_SPEC.save_pretrained
 """``save_pretrained(model, path, *, max_shard_size="5GB", text_only=False, dtype=None, state_dict=None)``:
 ``text_only=True`` (the default for a model without image path) writes the backbone and head rows ``[0, V)`` as a
 plain Glm4MoeLite checkpoint. ``dtype=None``: the dtype of the folder the model was read from."""

@@ -10,8 +10,7 @@ import dataclasses
 from hyper_parallel.components import CheckpointManager, LRSchedulersContainer, MetricsProcessor, OptimizersContainer
 from hyper_parallel.config import ActivationCheckpointConfig, ParallelismConfig, TrainingConfig
 from hyper_parallel.config.lora import LoRAConfig
-from hyper_parallel.data import HuggingFaceTextDataLoader, TokenDataLoader
-from hyper_parallel.data.source_config import SourceConfig
+from hyper_parallel.data import ChatOptions, HuggingFaceTextDataLoader, SourceConfig, TextOptions, TokenDataLoader
 from hyper_parallel.models.glm_image_moe_v2.model import glm_image_moe_config, glm_with_mtp
 from hyper_parallel.trainer import Trainer
 
@@ -131,8 +130,9 @@ def glm_image_moe_a3b_ep8() -> Trainer.Config:
 def _chat_data(cfg: Trainer.Config, *, tokens: int, global_tokens: int) -> None:
     """Chat SFT data: a jsonl with a ``messages`` column, assistant turns only, long conversations cut at a turn."""
     cfg.data = HuggingFaceTextDataLoader.Config(
-        source="text", chat_column="messages", loss_on="assistant", split_long_documents=False,
-        long_conversations="cut", max_tokens_per_microbatch=tokens, global_batch_tokens=global_tokens,
+        source="text", text=TextOptions(chat_column="messages", split_long_documents=False),
+        chat=ChatOptions(loss_on="assistant", long_conversations="cut"),
+        max_tokens_per_microbatch=tokens, global_batch_tokens=global_tokens,
         num_workers=cfg.data.num_workers,
     )  # fmt: skip
 
@@ -201,7 +201,8 @@ def glm_image_moe_a3b_mixed() -> Trainer.Config:
     tokens = cfg.data.max_tokens_per_microbatch
     cfg.data.sources = [
         SourceConfig(name="images", source="direct_token", weight=0.7),
-        SourceConfig(name="chat", source="text", weight=0.3, chat_column="messages", loss_on="assistant"),
+        SourceConfig(name="chat", source="text", weight=0.3, text=TextOptions(chat_column="messages"),
+                     chat=ChatOptions(loss_on="assistant")),
     ]
     cfg.data.global_batch_tokens = 64 * tokens
     return cfg

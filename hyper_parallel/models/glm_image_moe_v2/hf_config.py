@@ -31,10 +31,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hyper_parallel.models.common.feed_forward import FeedForward
-from hyper_parallel.models.common.hf_rope import LEGACY_ROPE_KEYS, read_hf_rope, rope_to_hf
+from hyper_parallel.hf.rope import LEGACY_ROPE_KEYS, read_hf_rope, rope_to_hf
 from hyper_parallel.models.common.moe import MoE
 from hyper_parallel.models.glm_image_moe_v2.model import GlmImageMoeModel, glm_image_moe_config
-from hyper_parallel.protocols.hf_quant import without_quantization
+from hyper_parallel.hf.quant import without_quantization
 
 __all__ = ["config_from_hf", "config_to_hf"]
 
@@ -116,7 +116,7 @@ _TOP_CONSUMED = {
 
 def config_from_hf(hf: Mapping[str, Any]) -> GlmImageMoeModel.Config:
     """From an HF ``config.json`` dict: GlmImageMoe (``text_config`` + ``vq_config``) or plain Glm4MoeLite.
-    ``quantization_config`` is read by the loader (``hf_quant``) and not kept: the model is dense."""
+    ``quantization_config`` is read by the loader (``hf.quant``) and not kept: the model is dense."""
     hf = without_quantization(hf)
     model_type = hf.get("model_type")
     if model_type == "glm_image_moe":
@@ -144,7 +144,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> GlmImageMoeModel.Config:
         rope_form = kwargs.pop("_rope_form")
         # A text-only checkpoint is a model without image path (a Glm4MoeLite model). The sizes an image path
         # would have (--model.image_path true, a DirectToken source) are GlmImage's defaults; a run takes the
-        # recipe's (ModelSpec.fields_not_in_hf).
+        # recipe's (HFSpec.fields_not_in_hf).
         extras = {
             "placeholder_token_id": hf.get("placeholder_token_id", kwargs["vocab_size"] - 1),
             "codebook_size": 16384,

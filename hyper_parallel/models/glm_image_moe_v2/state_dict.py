@@ -27,28 +27,26 @@ later run with MTP on loads it into the block. With ``config.mtp`` the layers be
 
 from __future__ import annotations
 
-import os
 import re
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from hyper_parallel.hf import convert
+from hyper_parallel.hf.convert import CheckedStateDictAdapter, CheckpointKeyError, read_hf_config
+from hyper_parallel.hf.load import model_state_dict
+from hyper_parallel.hf.save import warn_dropped
+from hyper_parallel.hf.storage import load_tensor_
 from hyper_parallel.models.glm_image_moe_v2.hf_config import config_to_hf
-from hyper_parallel.protocols import hf_io
-from hyper_parallel.protocols.hf_io import CheckedStateDictAdapter, CheckpointKeyError, read_hf_config
-from hyper_parallel.protocols.state_dict_adapter import parse_size
 
 __all__ = [
     "CheckpointKeyError",
     "GlmImageMoeStateDictAdapter",
     "HFLoadResult",
     "folder_dtype",
-    "load_hf_weights",
     "read_hf_config",
-    "save_hf_state_dict",
 ]
 
 _LM = "model.language_model."
@@ -70,7 +68,7 @@ _NEXTN_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
 
 
 @dataclass
-class HFLoadResult(hf_io.HFLoadResult):
+class HFLoadResult(convert.HFLoadResult):
     """What ``from_hf_checked`` produced: ``source_format`` is ``glm_image_moe`` or ``glm4_moe_lite``
     (whose head rows [V, V+C) are absent); ``passthrough`` holds the other ``model.vqmodel.*`` keys and, with
     MTP off, the nextn layer's keys."""
@@ -83,10 +81,17 @@ class HFLoadResult(hf_io.HFLoadResult):
 
 
 class GlmImageMoeStateDictAdapter(CheckedStateDictAdapter):
-    """Converts a GlmImageMoe state dict to and from the HF formats of docs/design.md section 4."""
+    """Converts a GlmImageMoe state dict to and from the HF formats of docs/design.md section 4.
 
-    def __init__(self, model_config: Any, **runtime_objects: Any) -> None:
+    Load: a plain Glm4MoeLite checkpoint fills the backbone and head rows ``[0, V)`` (``after_load``) and leaves the
+    image parts as they are. Export: the GlmImageMoe form, or with ``text_only`` the Glm4MoeLite form (default:
+    the model's, Glm4MoeLite exactly without image path); floating tensors by default in the dtype the folder the
+    model was read from declares (``folder_dtype``); routers included (a release stores them like the rest)."""
+
+    def __init__(self, model_config: Any, *, text_only: bool | None = None, **runtime_objects: Any) -> None:
         super().__init__(model_config, **runtime_objects)
+        self.text_only = not model_config.has_image_path if text_only is None else text_only
+        """The export's form: Glm4MoeLite (True) or GlmImageMoe."""
         self.num_layers = len(model_config.layers)
         self.lang_vocab_size = model_config.vocab_size
         self.has_mtp = getattr(model_config, "mtp", None) is not None
@@ -98,7 +103,7 @@ class GlmImageMoeStateDictAdapter(CheckedStateDictAdapter):
         if key in _OURS_TO_NEXTN:
             return {base + _OURS_TO_NEXTN[key]: t}
         rest = key[len("mtp.layers.0.") :]
-        return hf_io.split_experts(rest, t, base) or {base + rest: t}
+        return convert.split_experts(rest, t, base) or {base + rest: t}
 
     def _shared_copies(self, key: str, t: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
         """With MTP: the nextn layer's copies of the shared embedding / head (vLLM's drafter loads its own)."""
@@ -157,7 +162,7 @@ class GlmImageMoeStateDictAdapter(CheckedStateDictAdapter):
 
     @staticmethod
     def _backbone_to_hf(key: str, t: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
-        split = hf_io.split_experts(key, t, prefix)
+        split = convert.split_experts(key, t, prefix)
         return split if split is not None else {prefix + key: t}
 
     # ---- HF -> ours -------------------------------------------------------------------------
@@ -208,9 +213,9 @@ class GlmImageMoeStateDictAdapter(CheckedStateDictAdapter):
                     result.state_dict[ours] = t
             else:
                 unexpected.append(key)
-        missing_experts = hf_io.fuse_experts(experts, result.state_dict, prefix)
+        missing_experts = convert.fuse_experts(experts, result.state_dict, prefix)
         fused_mtp: dict[str, torch.Tensor] = {}
-        missing_experts += hf_io.fuse_experts(mtp_experts, fused_mtp, f"{prefix}[nextn]")
+        missing_experts += convert.fuse_experts(mtp_experts, fused_mtp, f"{prefix}[nextn]")
         result.state_dict.update({"mtp." + k: v for k, v in fused_mtp.items()})
         if expected is not None or unexpected or missing_experts:
             self._check(result, expected or {}, unexpected, missing_experts, check_keys=expected is not None)
@@ -233,7 +238,7 @@ class GlmImageMoeStateDictAdapter(CheckedStateDictAdapter):
             }
             if not any(k.startswith("mtp.") for k in result.state_dict):  # no nextn layer: the block keeps its init
                 optional |= {k for k in expected if k.startswith("mtp.")}
-            problems += hf_io.check_keys(result.state_dict, expected, optional=optional)
+            problems += convert.check_keys(result.state_dict, expected, optional=optional)
             if result.partial_head is None and result.source_format == "glm4_moe_lite":
                 problems.append("missing: lm_head.weight")
             elif result.partial_head is not None and "lm_head.weight" in expected:
@@ -243,10 +248,50 @@ class GlmImageMoeStateDictAdapter(CheckedStateDictAdapter):
                         f"shape: lm_head.weight is {list(result.partial_head.shape)}, "
                         f"a Glm4MoeLite head for this model must be {list(want)}"
                     )
-        hf_io.raise_problems(problems, f"checkpoint ({result.source_format} format)")
+        convert.raise_problems(problems, f"checkpoint ({result.source_format} format)")
 
 
-# ---- HF folders: from_pretrained / save_pretrained ----------------------------------------------
+    # ---- the generic load / export's hooks ---------------------------------------------------------
+    def after_load(self, model: Any, result: HFLoadResult) -> None:
+        """A plain Glm4MoeLite head fills rows ``[0, V)``: the block at offset 0 of our head."""
+        if result.partial_head is not None:
+            load_tensor_(model_state_dict(model)["lm_head.weight"], result.partial_head, offset=(0, 0))
+
+    @classmethod
+    def export_defaults(cls, model: Any) -> dict[str, Any]:
+        # a model without image path (a GLM-4.7-Flash run) is written in the Glm4MoeLite form, else GlmImageMoe's
+        return {"text_only": not model.config.has_image_path}
+
+    @classmethod
+    def for_export(cls, model_config: Any, *, text_only: bool | None = None) -> GlmImageMoeStateDictAdapter:
+        if text_only is False and not model_config.has_image_path:
+            raise ValueError(
+                "this GlmImageMoe model has no image path (a Glm4MoeLite model): it is written in the Glm4MoeLite "
+                "form, text_only=True"
+            )
+        return cls(model_config, text_only=text_only)
+
+    def export_dtype(self) -> torch.dtype | None:
+        return folder_dtype(self.model_config)
+
+    def export_names(self, passthrough: Mapping[str, Any]) -> dict[str, str]:
+        names = {k: self.kept_to_hf(k, text_only=self.text_only) for k in passthrough}
+        warn_dropped([k for k, n in names.items() if n is None], "a text-only (Glm4MoeLite) export has no image "
+                     "path; export with text_only=False to keep them")  # fmt: skip
+        return {k: n for k, n in names.items() if n is not None}
+
+    def to_hf_export(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.to_hf_text_only(state_dict) if self.text_only else self.to_hf(state_dict)
+
+    def export_config(self) -> dict[str, Any]:
+        config = self.model_config
+        hf_config = config_to_hf(config, text_only=self.text_only)
+        if getattr(config, "mtp", None) is not None:  # the nextn layer count vLLM's Glm4MoeLiteMTP reads
+            (hf_config if self.text_only else hf_config["text_config"])["num_nextn_predict_layers"] = len(config.mtp.layers)
+        return hf_config
+
+
+# ---- the dtype of the folder a model was read from ---------------------------------------------
 
 
 def folder_dtype(config: Any) -> torch.dtype | None:
@@ -258,65 +303,3 @@ def folder_dtype(config: Any) -> torch.dtype | None:
         if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
     return None
-
-
-def load_hf_weights(
-    model: Any, path: str | os.PathLike, *, init_missing: Callable[[], None] | None = None
-) -> HFLoadResult:
-    """Load an HF folder's safetensors (either format, sharded or single) into ``model`` (whole, or
-    parallelized: each rank reads only its shards) in place.
-
-    Every key and shape is checked first; one error lists all problems. A plain Glm4MoeLite
-    checkpoint fills the backbone and head rows ``[0, V)`` and leaves the image parts as they are
-    (``init_missing`` initialises them first).
-    """
-    adapter = GlmImageMoeStateDictAdapter(model.config)
-    result = hf_io.load_checked(model, path, adapter.from_hf_checked, init_missing=init_missing)
-    if result.partial_head is not None:  # head rows [0, V): the block at offset 0 of our head
-        hf_io.load_tensor_(hf_io.model_state_dict(model)["lm_head.weight"], result.partial_head, offset=(0, 0))
-    return result
-
-
-def save_hf_state_dict(
-    config: Any,
-    state_dict: dict[str, torch.Tensor],
-    path: str | os.PathLike,
-    *,
-    max_shard_size: int | str = "5GB",
-    text_only: bool | None = None,
-    passthrough: dict[str, torch.Tensor] | None = None,
-    dtype: torch.dtype | None = None,
-) -> list[str]:
-    """Write ``state_dict`` (our keys, full tensors) + ``config.json`` as an HF folder: the GlmImageMoe form, or
-    with ``text_only`` the Glm4MoeLite form (None: the model's, Glm4MoeLite exactly without image path).
-    Floating tensors are written in ``dtype``, by default the dtype the folder the model was read from declares
-    (``config.json`` ``dtype``), else as they are; routers included (a release stores them like the rest)."""
-    if text_only is None:
-        text_only = not config.has_image_path
-    if not text_only and not config.has_image_path:
-        raise ValueError(
-            "this GlmImageMoe model has no image path (a Glm4MoeLite model): it is written in the Glm4MoeLite "
-            "form, text_only=True"
-        )
-    dtype = dtype if dtype is not None else folder_dtype(config)
-    adapter = GlmImageMoeStateDictAdapter(config)
-    kept = {k: v for k, v in (passthrough or {}).items() if adapter.kept_to_hf(k, text_only=text_only) is not None}
-    hf_io.warn_dropped(set(passthrough or {}) - set(kept), "a text-only (Glm4MoeLite) export has no image path; "
-                       "export with text_only=False to keep them")  # fmt: skip
-
-    def convert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # per tensor (hf_io.save_converted)
-        ours = {k: v for k, v in sd.items() if k not in kept}
-        hf = adapter.to_hf_text_only(ours) if text_only else adapter.to_hf(ours)
-        hf.update({adapter.kept_to_hf(k, text_only=text_only): v for k, v in sd.items() if k in kept})
-        if dtype is not None:  # integer tensors (hf_lora's row traces) as they are
-            hf = {k: v.to(dtype) if v.is_floating_point() else v for k, v in hf.items()}
-        return hf
-
-    path = Path(path)
-    sources = {**state_dict, **kept}
-    files = hf_io.save_converted(sources, convert, path, max_shard_size=parse_size(max_shard_size))
-    hf_config = config_to_hf(config, text_only=text_only)
-    if getattr(config, "mtp", None) is not None:  # the nextn layer count vLLM's Glm4MoeLiteMTP reads
-        (hf_config if text_only else hf_config["text_config"])["num_nextn_predict_layers"] = len(config.mtp.layers)
-    written = dtype or next(iter(state_dict.values())).dtype
-    return files + [hf_io.write_hf_config(path, hf_config, dtype=written, sources=sources)]

@@ -12,11 +12,11 @@ import dataclasses
 
 from hyper_parallel.models.qwen3_5_moe_v2.hf_config import config_from_hf, config_to_hf
 from hyper_parallel.models.qwen3_5_moe_v2.model import Qwen3_5MoeModel, Qwen3_5MoeTransformerBlock, qwen3_5_moe_config
-from hyper_parallel.models.qwen3_5_moe_v2.state_dict import CheckpointKeyError, Qwen3_5MoeStateDictAdapter, load_hf_weights
+from hyper_parallel.models.qwen3_5_moe_v2.state_dict import CheckpointKeyError, Qwen3_5MoeStateDictAdapter
 from hyper_parallel.models.qwen3_5_v2 import QWEN3_5_MTP
 from hyper_parallel.models.qwen3_5_v2.model import mtp_reader
-from hyper_parallel.models.qwen3_5_v2.state_dict import save_hf_state_dict
-from hyper_parallel.protocols.hf_model import pretrained_io
+from hyper_parallel.hf.pretrained import pretrained_io
+from hyper_parallel.protocols.hf_spec import HFSpec
 from hyper_parallel.protocols.model_spec import ModelSpec, lazy_function, register_spec
 
 __all__ = [
@@ -31,25 +31,22 @@ __all__ = [
     "save_pretrained",
 ]
 
-QWEN3_5_MOE_SPEC = pretrained_io(
-    ModelSpec(
-        name="qwen3_5_moe",
-        model=Qwen3_5MoeModel,
-        parallelize_fn=lazy_function(f"{__name__}.parallelize", "parallelize_qwen3_5_moe"),
-        state_dict_adapter=Qwen3_5MoeStateDictAdapter,
-        flavor="qwen3_5_moe_debug",
-        load_hf_weights=load_hf_weights,
-        validate_layout=lazy_function(f"{__name__}.parallelize", "validate_qwen3_5_moe_layout"),
-        config_from_hf=config_from_hf,
-        hf_mtp=dataclasses.replace(QWEN3_5_MTP, config_from_hf=mtp_reader(config_from_hf)),
-        # data_sources / data_facts: the defaults (text, preset_pt, dummy; the vocabulary size)
-    ),
-    save_state_dict=save_hf_state_dict,  # the layout it was loaded from (Qwen3_5MoeForCausalLM for a recipe's model)
+QWEN3_5_MOE_SPEC = ModelSpec(
+    name="qwen3_5_moe",
+    model=Qwen3_5MoeModel,
+    parallelize_fn=lazy_function(f"{__name__}.parallelize", "parallelize_qwen3_5_moe"),
+    flavor="qwen3_5_moe_debug",
+    # export: the layout it was loaded from (Qwen3_5MoeForCausalLM for a recipe's model)
+    hf=HFSpec(
+        adapter=Qwen3_5MoeStateDictAdapter, config_from_hf=config_from_hf,
+        mtp=dataclasses.replace(QWEN3_5_MTP, config_from_hf=mtp_reader(config_from_hf)),
+    ),  # fmt: skip
+    validate_layout=lazy_function(f"{__name__}.parallelize", "validate_qwen3_5_moe_layout"),
+    # data_sources / data_facts: the defaults (text, preset_pt, dummy; the vocabulary size)
 )
 register_spec("qwen3_5_moe", QWEN3_5_MOE_SPEC, aliases=("qwen3_5_moe_v2",))
-from_pretrained = QWEN3_5_MOE_SPEC.from_pretrained
+from_pretrained, save_pretrained = pretrained_io(QWEN3_5_MOE_SPEC)
 """``from_pretrained(path, *, dtype=torch.float32, device="cpu", mtp=False, **config_overrides)``: a
 ``Qwen3_5MoeModel`` from an HF ``Qwen3_5MoeForCausalLM`` or ``Qwen3_5MoeForConditionalGeneration`` folder."""
-save_pretrained = QWEN3_5_MOE_SPEC.save_pretrained
 """``save_pretrained(model, path, *, max_shard_size="5GB", text_only=None, dtype=None, state_dict=None)``: per-expert
 keys, the layout the model was loaded from."""

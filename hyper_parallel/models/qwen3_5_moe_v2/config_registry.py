@@ -50,10 +50,10 @@ def qwen3_5_moe_sft_debug() -> Trainer.Config:
     your own chat data")."""
     cfg = qwen3_5_moe_debug()
     cfg.training.steps = 60
-    cfg.data.chat_column = "messages"
-    cfg.data.loss_on = "assistant"
-    cfg.data.split_long_documents = False  # a conversation is cut at a turn boundary, never mid-turn
-    cfg.data.long_conversations = "cut"
+    cfg.data.text.chat_column = "messages"
+    cfg.data.text.split_long_documents = False  # a conversation is cut at a turn boundary, never mid-turn
+    cfg.data.chat.loss_on = "assistant"
+    cfg.data.chat.long_conversations = "cut"
     cfg.data.max_tokens_per_microbatch = 256
     cfg.data.global_batch_tokens = 512
     return cfg

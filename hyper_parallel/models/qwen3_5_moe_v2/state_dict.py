@@ -8,18 +8,14 @@ from hyper_parallel.models.qwen3_5_v2.state_dict import (
     CheckpointKeyError,
     HFLoadResult,
     Qwen3_5StateDictAdapter,
-    load_hf_weights,
     read_hf_config,
-    save_hf_state_dict,
 )
 
 __all__ = [
     "CheckpointKeyError",
     "HFLoadResult",
     "Qwen3_5MoeStateDictAdapter",
-    "load_hf_weights",
     "read_hf_config",
-    "save_hf_state_dict",
 ]
 
 

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from hyper_parallel.models.common.gated_attention import GatedAttention
 from hyper_parallel.models.common.gated_deltanet import GatedDeltaNet
-from hyper_parallel.models.common.hf_rope import LEGACY_ROPE_KEYS, read_hf_rope, rope_to_hf
+from hyper_parallel.hf.rope import LEGACY_ROPE_KEYS, read_hf_rope, rope_to_hf
 from hyper_parallel.models.common.moe import MoE
 from hyper_parallel.models.qwen3_5_v2.model import (
     Qwen3_5Model,
@@ -39,7 +39,7 @@ from hyper_parallel.models.qwen3_5_v2.model import (
     layer_types_of,
     qwen3_5_config,
 )
-from hyper_parallel.protocols.hf_quant import without_quantization
+from hyper_parallel.hf.quant import without_quantization
 from hyper_parallel.protocols.param_init import NormalInit
 
 __all__ = ["config_from_hf", "config_to_hf", "qwen3_5_config_from_hf", "text_config_from_hf", "text_config_to_hf"]
@@ -159,7 +159,7 @@ def config_from_hf(
 
     ``qwen3_5(_moe)_text`` (``*ForCausalLM``) or ``qwen3_5(_moe)`` with a ``text_config``
     (``*ForConditionalGeneration``; the non-text part is kept and written back). ``quantization_config`` is
-    read by the loader (``hf_quant``) and not kept: the model is dense.
+    read by the loader (``hf.quant``) and not kept: the model is dense.
     """
     hf = without_quantization(hf)
     family = "qwen3_5_moe" if moe else "qwen3_5"

@@ -24,28 +24,25 @@ them leaves the block at its initialisation. Without ``config.mtp`` they are kep
 
 from __future__ import annotations
 
-import os
 import re
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from hyper_parallel.hf import convert
+from hyper_parallel.hf.convert import CheckedStateDictAdapter, CheckpointKeyError, HFLoadResult, read_hf_config
+from hyper_parallel.hf.save import warn_dropped
+from hyper_parallel.hf.storage import permute_rows
+from hyper_parallel.hf.tied_head import HEAD_KEY, tied_head_from_hf, untied_head_hint
 from hyper_parallel.models.common.gated_deltanet import GatedDeltaNet
-from hyper_parallel.models.common.tied_head import HEAD_KEY, tied_head_from_hf, untied_head_hint
 from hyper_parallel.models.qwen3_5_v2.hf_config import config_to_hf
-from hyper_parallel.protocols import hf_io
-from hyper_parallel.protocols.hf_io import CheckedStateDictAdapter, CheckpointKeyError, HFLoadResult, read_hf_config
-from hyper_parallel.protocols.state_dict_adapter import parse_size
 
 __all__ = [
     "CheckpointKeyError",
     "HFLoadResult",
     "Qwen3_5StateDictAdapter",
-    "load_hf_weights",
     "read_hf_config",
-    "save_hf_state_dict",
 ]
 
 _TEXT, _VL = "model.", "model.language_model."
@@ -60,10 +57,16 @@ _QKV_ROWS_RE = re.compile(r"^layers\.(\d+)\.self_attn\.(in_proj_qkv|conv1d)\.wei
 
 
 class Qwen3_5StateDictAdapter(CheckedStateDictAdapter):
-    """Converts a Qwen3.5 / Qwen3.5-MoE state dict to and from the HF formats above."""
+    """Converts a Qwen3.5 / Qwen3.5-MoE state dict to and from the HF formats above.
 
-    def __init__(self, model_config: Any, **runtime_objects: Any) -> None:
+    Export (``text_only``, default: the ConditionalGeneration layout iff the config came from such a folder): the
+    kept keys exactly as they were read (a live MTP block writes its own ``mtp.*``); a CausalLM layout has no
+    vision tower, but keeps the MTP head (vLLM reads ``mtp.*`` in both layouts)."""
+
+    def __init__(self, model_config: Any, *, text_only: bool | None = None, **runtime_objects: Any) -> None:
         super().__init__(model_config, **runtime_objects)
+        self.export_text_only = "top" not in (getattr(model_config, "hf_extra", None) or {}) if text_only is None else text_only
+        """The export's layout: CausalLM (True) or ConditionalGeneration."""
         self.has_mtp = getattr(model_config, "mtp", None) is not None
         self.tied = bool(getattr(model_config, "tie_word_embeddings", False))
         # a folder that stores its experts fused (the Qwen3.5-MoE releases) is written back fused
@@ -90,7 +93,7 @@ class Qwen3_5StateDictAdapter(CheckedStateDictAdapter):
         if to_hf:
             return GatedDeltaNet.qkv_rows_to_hf(gdn, t)
         # a row permutation: on the lazy tensors of a sharded load each rank still reads only its rows
-        return hf_io.permute_rows(t, lambda rows: GatedDeltaNet.qkv_rows_from_hf(gdn, rows))
+        return permute_rows(t, lambda rows: GatedDeltaNet.qkv_rows_from_hf(gdn, rows))
 
     # ---- ours -> HF -------------------------------------------------------------------------
     def to_hf(
@@ -124,7 +127,7 @@ class Qwen3_5StateDictAdapter(CheckedStateDictAdapter):
     def _experts_to_hf(self, hf_key: str, t: torch.Tensor, prefix: str) -> dict[str, torch.Tensor] | None:
         """Per-expert HF keys of a fused experts tensor; None (the key as it is: fused ``[E, 2I, H]`` /
         ``[E, H, I]``, HF's own layout) for other keys and for a folder that stores its experts fused."""
-        return None if self.fused_experts else hf_io.split_experts(hf_key, t, prefix)
+        return None if self.fused_experts else convert.split_experts(hf_key, t, prefix)
 
     def _empty_shared(self, hf_key: str) -> bool:
         """An HF shared-expert key (prefix removed) of a layer built without one (``shared_expert_intermediate_size=0``)."""
@@ -179,77 +182,45 @@ class Qwen3_5StateDictAdapter(CheckedStateDictAdapter):
                     result.state_dict[ours] = self._qkv_rows(ours, t, to_hf=False)
             else:
                 problems.append(f"unexpected: {key}")
-        problems += hf_io.fuse_experts(experts, result.state_dict, prefix)
+        problems += convert.fuse_experts(experts, result.state_dict, prefix)
         fused_mtp: dict[str, torch.Tensor] = {}
-        problems += hf_io.fuse_experts(mtp_experts, fused_mtp, _MTP)
+        problems += convert.fuse_experts(mtp_experts, fused_mtp, _MTP)
         result.state_dict.update({_MTP + k: v for k, v in fused_mtp.items()})
         if self.tied:
             problems += tied_head_from_hf(result.state_dict, embed_hf_key=prefix + "embed_tokens.weight")
         if expected is not None:
             # a folder without MTP weights leaves the block at its (seeded) initialisation
             optional = [k for k in expected if k.startswith(_MTP)] if not any(k.startswith(_MTP) for k in hf_state_dict) else []
-            problems += hf_io.check_keys(result.state_dict, expected, optional=optional)
+            problems += convert.check_keys(result.state_dict, expected, optional=optional)
         where = "config.json (top level)" if vl else "config.json"
         problems = untied_head_hint(problems, where=where)
-        hf_io.raise_problems(problems, f"checkpoint ({result.source_format} format)")
+        convert.raise_problems(problems, f"checkpoint ({result.source_format} format)")
         return result
 
+    # ---- the generic export's hooks ---------------------------------------------------------------
+    @classmethod
+    def for_export(cls, model_config: Any, *, text_only: bool | None = None) -> Qwen3_5StateDictAdapter:
+        return cls(model_config, text_only=text_only)
 
-# ---- HF folders ------------------------------------------------------------------------------
+    def export_names(self, passthrough: Mapping[str, Any]) -> dict[str, str]:
+        kept = [k for k in passthrough if not (self.has_mtp and k.startswith(_MTP))]
+        if self.export_text_only:
+            warn_dropped([k for k in kept if not k.startswith(_MTP)], "a text-only (CausalLM) export has no "
+                         "vision tower; export with text_only=False to keep them")  # fmt: skip
+            kept = [k for k in kept if k.startswith(_MTP)]
+        return {k: k for k in kept}
 
-
-def load_hf_weights(
-    model: Any, path: str | os.PathLike, *, init_missing: Callable[[], None] | None = None
-) -> HFLoadResult:
-    """Load an HF folder (CausalLM or ConditionalGeneration; per-expert or fused experts) into a whole or a
-    parallelized model in place (each rank reads only its shards; ``hf_io.load_checked``). Every key and shape
-    is checked first; ``model.visual.*``/``mtp.*`` are kept in ``model.hf_passthrough``."""
-    return hf_io.load_checked(
-        model, path, Qwen3_5StateDictAdapter(model.config).from_hf_checked, init_missing=init_missing
-    )
-
-
-def save_hf_state_dict(
-    config: Any,
-    state_dict: dict[str, torch.Tensor],
-    path: str | os.PathLike,
-    *,
-    max_shard_size: int | str = "5GB",
-    text_only: bool | None = None,
-    passthrough: dict[str, torch.Tensor] | None = None,
-    dtype: torch.dtype | None = None,
-) -> list[str]:
-    """Write ``state_dict`` (our keys, full tensors) + ``config.json`` as an HF folder.
-
-    ``text_only`` default: the ConditionalGeneration layout iff the config came from such a folder.
-    """
-    if text_only is None:
-        text_only = "top" not in config.hf_extra
-    adapter = Qwen3_5StateDictAdapter(config)
-    # the kept keys exactly as they were read (a live MTP block writes its own mtp.*); a CausalLM layout has no
-    # vision tower, but keeps the MTP head (vLLM reads mtp.* in both layouts)
-    kept = {k: v for k, v in (passthrough or {}).items() if not (adapter.has_mtp and k.startswith(_MTP))}
-    if text_only:
-        hf_io.warn_dropped([k for k in kept if not k.startswith(_MTP)], "a text-only (CausalLM) export has no "
-                           "vision tower; export with text_only=False to keep them")  # fmt: skip
-        kept = {k: v for k, v in kept.items() if k.startswith(_MTP)}
-
-    def convert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # per tensor (hf_io.save_converted)
-        hf = adapter.to_hf({k: v for k, v in sd.items() if k not in kept}, text_only=True)
-        if not text_only:
+    def to_hf_export(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        hf = self.to_hf(state_dict, text_only=True)
+        if not self.export_text_only:
             hf = {_VL + k[len(_TEXT) :] if k.startswith(_TEXT) else k: v for k, v in hf.items()}
-        hf |= {k: v for k, v in sd.items() if k in kept}
-        if dtype is not None:  # one dtype for the whole folder (config.json states it): kept keys too
-            hf = {k: v.to(dtype) if v.is_floating_point() else v for k, v in hf.items()}
         return hf
 
-    path = Path(path)
-    sources = {**state_dict, **kept}
-    files = hf_io.save_converted(sources, convert, path, max_shard_size=parse_size(max_shard_size))
-    hf_config = config_to_hf(config, text_only=text_only)
-    text = hf_config if text_only else hf_config["text_config"]
-    if getattr(config, "mtp", None) is not None:  # vLLM's Qwen3_5MultiTokenPredictor reads this count
-        text["mtp_num_hidden_layers"] = len(config.mtp.layers)
-    text.setdefault("dtype", None)  # the text level states it too, as transformers 5 writes (hf_io fills it in)
-    written = dtype or next(iter(state_dict.values())).dtype
-    return files + [hf_io.write_hf_config(path, hf_config, dtype=written, sources=sources)]
+    def export_config(self) -> dict[str, Any]:
+        config = self.model_config
+        hf_config = config_to_hf(config, text_only=self.export_text_only)
+        text = hf_config if self.export_text_only else hf_config["text_config"]
+        if getattr(config, "mtp", None) is not None:  # vLLM's Qwen3_5MultiTokenPredictor reads this count
+            text["mtp_num_hidden_layers"] = len(config.mtp.layers)
+        text.setdefault("dtype", None)  # the text level states it too, as transformers 5 writes (hf.save fills it in)
+        return hf_config

@@ -7,7 +7,7 @@ from typing import Any
 
 from hyper_parallel.components import CheckpointManager, LRSchedulersContainer, MetricsProcessor, OptimizersContainer
 from hyper_parallel.config import ParallelismConfig, TrainingConfig
-from hyper_parallel.data import HuggingFaceTextDataLoader
+from hyper_parallel.data import HuggingFaceTextDataLoader, TextOptions
 from hyper_parallel.trainer import Trainer
 
 __all__ = ["qwen3_5_text_trainer"]
@@ -29,7 +29,7 @@ def qwen3_5_text_trainer(model_spec: str, model: Any, *, debug: bool) -> Trainer
             # path "" = the embedded toy text corpus and its 512-id tokenizer (no download).
             data=HuggingFaceTextDataLoader.Config(
                 source="text", max_tokens_per_microbatch=512, global_batch_tokens=1024, shuffle_buffer=256,
-                split_long_documents=True,
+                text=TextOptions(split_long_documents=True),
             ),
             optimizer=OptimizersContainer.Config(name="adamw", lr=3e-3, weight_decay=0.01),
             lr_scheduler=LRSchedulersContainer.Config(warmup_steps=10, decay_type="cosine", min_lr_ratio=0.1),

@@ -22,14 +22,9 @@ from hyper_parallel.models.qwen3_vl_moe_v2.model import (
     qwen3_vl_config,
     qwen3_vl_moe_config,
 )
-from hyper_parallel.models.qwen3_vl_moe_v2.state_dict import (
-    CheckpointKeyError,
-    Qwen3VlMoeStateDictAdapter,
-    config_from_hf,
-    load_hf_weights,
-    save_hf_state_dict,
-)
-from hyper_parallel.protocols.hf_model import pretrained_io
+from hyper_parallel.models.qwen3_vl_moe_v2.state_dict import CheckpointKeyError, Qwen3VlMoeStateDictAdapter, config_from_hf
+from hyper_parallel.hf.pretrained import pretrained_io
+from hyper_parallel.protocols.hf_spec import HFSpec
 from hyper_parallel.protocols.model_spec import ModelSpec, lazy_function, register_spec
 
 __all__ = [
@@ -60,31 +55,27 @@ def _data_facts(config: Qwen3VlMoeModel.Config) -> dict[str, Any]:
     }
 
 
-QWEN3_VL_MOE_SPEC = pretrained_io(
-    ModelSpec(
-        name="qwen3_vl_moe",
-        model=Qwen3VlMoeModel,
-        parallelize_fn=lazy_function(f"{__name__}.parallelize", "parallelize_qwen3_vl_moe"),
-        state_dict_adapter=Qwen3VlMoeStateDictAdapter,
-        flavor="qwen3_vl_moe_debug",
-        load_hf_weights=load_hf_weights,
-        validate_layout=lazy_function(f"{__name__}.parallelize", "validate_qwen3_vl_moe_layout"),
-        data_sources=("vision_language", "preset_pt"),
-        data_facts=_data_facts,
+QWEN3_VL_MOE_SPEC = ModelSpec(
+    name="qwen3_vl_moe",
+    model=Qwen3VlMoeModel,
+    parallelize_fn=lazy_function(f"{__name__}.parallelize", "parallelize_qwen3_vl_moe"),
+    flavor="qwen3_vl_moe_debug",
+    # the export writes the fused-expert layout the model was read in (Qwen3-VL-MoE), "memory" for a recipe's model
+    hf=HFSpec(
+        adapter=Qwen3VlMoeStateDictAdapter,
         config_from_hf=config_from_hf,
         # a Qwen3.5-MoE ConditionalGeneration folder's MTP block (Qwen3-VL-MoE folders have none)
-        hf_mtp=dataclasses.replace(QWEN3_5_MTP, config_from_hf=mtp_reader(config_from_hf)),
+        mtp=dataclasses.replace(QWEN3_5_MTP, config_from_hf=mtp_reader(config_from_hf)),
+        load_options=("experts_layout",),
     ),
-    save_state_dict=save_hf_state_dict,
-    load_options=("experts_layout",),
-    # the fused-expert layout the model was read in (Qwen3-VL-MoE), "memory" for a recipe's model
-    save_defaults=lambda model: {"experts_layout": getattr(model, "hf_experts_layout", "memory")},
+    validate_layout=lazy_function(f"{__name__}.parallelize", "validate_qwen3_vl_moe_layout"),
+    data_sources=("vision_language", "preset_pt"),
+    data_facts=_data_facts,
 )
 register_spec("qwen3_vl_moe", QWEN3_VL_MOE_SPEC, aliases=("qwen3_vl_moe_v2",))
-from_pretrained = QWEN3_VL_MOE_SPEC.from_pretrained
+from_pretrained, save_pretrained = pretrained_io(QWEN3_VL_MOE_SPEC)
 """``from_pretrained(path, *, dtype=torch.float32, device="cpu", mtp=False, experts_layout=None, **config_overrides)``:
 a ``Qwen3VlMoeModel`` from an HF ConditionalGeneration folder (every key and shape checked). ``experts_layout``
 (Qwen3-VL-MoE fused experts): default from the folder's ``config.json``. ``mtp=True``: the Qwen3.5-MoE MTP block
 on (an error names ``text_config.mtp_num_hidden_layers`` when the folder has none, e.g. any Qwen3-VL-MoE one)."""
-save_pretrained = QWEN3_VL_MOE_SPEC.save_pretrained
 """``save_pretrained(model, path, *, max_shard_size="5GB", dtype=None, state_dict=None, experts_layout=None)``."""

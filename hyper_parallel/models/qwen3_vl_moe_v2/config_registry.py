@@ -99,7 +99,7 @@ def qwen3_vl_moe_sft_debug() -> Trainer.Config:
     """``qwen3_vl_moe_debug`` fine-tuned on the embedded toy picture conversations (user: images + question in
     transformers' content-list form; assistant: the caption), assistant turns only."""
     cfg = qwen3_vl_moe_debug()
-    cfg.data.loss_on = "assistant"  # with an empty data.path: the toy corpus's all-conversation variant
+    cfg.data.chat.loss_on = "assistant"  # with an empty data.path: the toy corpus's all-conversation variant
     return cfg
 
 

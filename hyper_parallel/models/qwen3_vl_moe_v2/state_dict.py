@@ -28,22 +28,19 @@ export writes ``text_config.mtp_num_hidden_layers``. Without ``config.mtp`` they
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from hyper_parallel.models.common.hf_rope import LEGACY_ROPE_KEYS, read_hf_rope, rope_to_hf
-from hyper_parallel.models.common.tied_head import HEAD_KEY, tied_head_from_hf, untied_head_hint
+from hyper_parallel.hf.rope import LEGACY_ROPE_KEYS, read_hf_rope, rope_to_hf
+from hyper_parallel.hf.tied_head import HEAD_KEY, tied_head_from_hf, untied_head_hint
 from hyper_parallel.models.qwen3_5_v2.state_dict import Qwen3_5StateDictAdapter
 
 # the text families whose HF text part is the Qwen3.5 one (as model.QWEN3_5_FAMILIES; this module imports model lazily)
 QWEN3_5_FAMILIES = ("qwen3_5_moe", "qwen3_5")
-from hyper_parallel.protocols import hf_io
-from hyper_parallel.protocols.hf_io import CheckpointKeyError, read_hf_config
-from hyper_parallel.protocols.hf_quant import without_quantization
-from hyper_parallel.protocols.state_dict_adapter import BaseStateDictAdapter, parse_size
+from hyper_parallel.hf import convert
+from hyper_parallel.hf.convert import CheckedStateDictAdapter, CheckpointKeyError, HFLoadResult, read_hf_config
+from hyper_parallel.hf.quant import without_quantization
 
 if TYPE_CHECKING:
     from hyper_parallel.models.qwen3_vl_moe_v2.model import Qwen3VlMoeModel
@@ -55,9 +52,7 @@ __all__ = [
     "config_from_hf",
     "config_to_hf",
     "experts_layout_of",
-    "load_hf_weights",
     "read_hf_config",
-    "save_hf_state_dict",
 ]
 
 ExpertsLayout = Literal["hub", "memory"]
@@ -77,8 +72,12 @@ def experts_layout_of(hf_config: dict[str, Any]) -> ExpertsLayout:
     return "hub" if major < 5 else "memory"
 
 
-class Qwen3VlMoeStateDictAdapter(BaseStateDictAdapter):
-    """Our state dict <-> HF ``Qwen3VLMoeForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration`` keys."""
+class Qwen3VlMoeStateDictAdapter(CheckedStateDictAdapter):
+    """Our state dict <-> HF ``Qwen3VLMoeForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration`` keys.
+
+    ``experts_layout`` (Qwen3-VL-MoE fused experts) on load: default from the folder's ``config.json``
+    (:func:`experts_layout_of`), remembered on the model (``hf_experts_layout``) for the export, which writes the
+    layout it was read in with a ``transformers_version`` that says so (4.x: hub)."""
 
     def __init__(self, model_config: Any, *, experts_layout: ExpertsLayout = "memory", **runtime_objects: Any) -> None:
         super().__init__(model_config, **runtime_objects)
@@ -111,8 +110,11 @@ class Qwen3VlMoeStateDictAdapter(BaseStateDictAdapter):
         return out
 
     # ---- HF -> ours -------------------------------------------------------------------------
-    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return self.from_hf_checked(hf_state_dict)[0]
+    def load_result(
+        self, hf_state_dict: dict[str, torch.Tensor], expected: dict[str, torch.Size] | None = None
+    ) -> HFLoadResult:
+        ours, passthrough = self.from_hf_checked(hf_state_dict, expected=expected)
+        return HFLoadResult(ours, self.family, passthrough)
 
     def from_hf_checked(
         self, hf_state_dict: dict[str, torch.Tensor], expected: dict[str, torch.Size] | None = None
@@ -155,13 +157,50 @@ class Qwen3VlMoeStateDictAdapter(BaseStateDictAdapter):
         if expected is not None:
             layout_hint = f" (experts read as the {self.experts_layout!r} layout: pass experts_layout=)"
             no_mtp = not any(k.startswith("mtp.") for k in hf_state_dict)  # the MTP block then keeps its init
-            problems += hf_io.check_keys(
+            problems += convert.check_keys(
                 ours, expected, shape_hint=lambda key: layout_hint if key.endswith(_FUSED) else "",
                 optional=[k for k in expected if k.startswith("mtp.")] if no_mtp else (),
             )
         problems = untied_head_hint(problems, where="config.json (top level)")
-        hf_io.raise_problems(problems, f"checkpoint ({self.family} VL)")
+        convert.raise_problems(problems, f"checkpoint ({self.family} VL)")
         return ours, passthrough
+
+    # ---- the generic load / export's hooks ------------------------------------------------------
+    @classmethod
+    def for_folder(
+        cls, model_config: Any, path: str | os.PathLike, *, experts_layout: ExpertsLayout | None = None
+    ) -> Qwen3VlMoeStateDictAdapter:
+        return cls(model_config, experts_layout=experts_layout or experts_layout_of(read_hf_config(path)))
+
+    def after_load(self, model: Any, result: HFLoadResult) -> None:
+        model.hf_experts_layout = self.experts_layout  # the export writes the layout the folder held
+
+    @classmethod
+    def export_defaults(cls, model: Any) -> dict[str, Any]:
+        # the fused-expert layout the model was read in (Qwen3-VL-MoE), "memory" for a recipe's model
+        return {"experts_layout": getattr(model, "hf_experts_layout", "memory")}
+
+    @classmethod
+    def for_export(cls, model_config: Any, *, experts_layout: ExpertsLayout = "memory") -> Qwen3VlMoeStateDictAdapter:
+        return cls(model_config, experts_layout=experts_layout)
+
+    def export_names(self, passthrough: Any) -> dict[str, str]:
+        has_mtp = getattr(self.model_config, "mtp", None) is not None  # then the block's own weights are the mtp.* written
+        return {k: k for k in passthrough if not (has_mtp and k.startswith(_MTP))}
+
+    def export_config(self) -> dict[str, Any]:
+        config, experts_layout = self.model_config, self.experts_layout
+        hf_config = config_to_hf(config)
+        if getattr(config, "mtp", None) is not None:  # vLLM's Qwen3_5MultiTokenPredictor reads this count (text_config)
+            hf_config["text_config"]["mtp_num_hidden_layers"] = len(config.mtp.layers)
+        hf_config["text_config"].setdefault("dtype", None)  # stated on both levels (hf.save fills it in)
+        if config.text_family == "qwen3_vl_moe":
+            version = hf_config.get("transformers_version")
+            if experts_layout_of(hf_config) != experts_layout:  # make the folder's version state its layout
+                hf_config["transformers_version"] = "4.57.0" if experts_layout == "hub" else "5.0.0"
+            elif version is None:
+                hf_config["transformers_version"] = "5.0.0"
+        return hf_config
 
 
 # ---- HF config.json <-> Config -----------------------------------------------------------------
@@ -289,7 +328,7 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen3VlMoeModel.Config:
     from hyper_parallel.models.qwen3_vl_moe_v2.model import qwen3_vl_moe_config, vl_config_from_text
     from hyper_parallel.models.qwen3_vl_moe_v2.vision import vision_tower_config
 
-    hf = without_quantization(hf)  # read by the loader (hf_quant), not kept: the model is dense
+    hf = without_quantization(hf)  # read by the loader (hf.quant), not kept: the model is dense
     family = hf.get("model_type")
     if family not in _ID_DEFAULTS or "vision_config" not in hf:
         raise ValueError(
@@ -408,70 +447,3 @@ def config_to_hf(cfg: Qwen3VlMoeModel.Config) -> dict[str, Any]:
     top.setdefault("architectures", ["Qwen3VLMoeForConditionalGeneration"])
     return {**top, **ids, "model_type": "qwen3_vl_moe", "text_config": text,
             "vision_config": {"model_type": "qwen3_vl_moe_vision", **vision}, "tie_word_embeddings": tie}  # fmt: skip
-
-
-# ---- HF folders ------------------------------------------------------------------------------
-
-
-def load_hf_weights(
-    model: Qwen3VlMoeModel,
-    path: str | os.PathLike,
-    *,
-    experts_layout: ExpertsLayout | None = None,
-    init_missing: Callable[[], None] | None = None,
-) -> None:
-    """Load an HF folder into a whole or a parallelized model in place (every key and shape checked first;
-    each rank reads only its shards, ``hf_io.load_checked``).
-
-    ``experts_layout`` (Qwen3-VL-MoE fused experts) default: from ``config.json`` (:func:`experts_layout_of`).
-    """
-    layout = experts_layout or experts_layout_of(read_hf_config(path))
-    adapter = Qwen3VlMoeStateDictAdapter(model.config, experts_layout=layout)
-
-    def convert(hf: dict[str, torch.Tensor], expected: dict[str, torch.Size]) -> hf_io.HFLoadResult:
-        ours, passthrough = adapter.from_hf_checked(hf, expected=expected)
-        return hf_io.HFLoadResult(ours, model.config.text_family, passthrough)
-
-    hf_io.load_checked(model, path, convert, init_missing=init_missing)
-    model.hf_experts_layout = layout
-
-
-def save_hf_state_dict(
-    config: Qwen3VlMoeModel.Config,
-    state_dict: dict[str, torch.Tensor],
-    path: str | os.PathLike,
-    *,
-    max_shard_size: int | str = "5GB",
-    experts_layout: ExpertsLayout = "memory",
-    passthrough: dict[str, torch.Tensor] | None = None,
-    dtype: torch.dtype | None = None,
-) -> list[str]:
-    """Write ``state_dict`` (our keys, full tensors) + ``config.json`` as an HF ConditionalGeneration folder.
-
-    The written ``transformers_version`` says which fused-expert layout the folder holds (4.x: hub).
-    """
-    adapter = Qwen3VlMoeStateDictAdapter(config, experts_layout=experts_layout)
-    has_mtp = getattr(config, "mtp", None) is not None  # then the block's own weights are the mtp.* written
-    kept = {k: v for k, v in (passthrough or {}).items() if not (has_mtp and k.startswith(_MTP))}
-
-    def convert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # per tensor (hf_io.save_converted)
-        hf = adapter.to_hf({k: v for k, v in sd.items() if k not in kept}) | {k: v for k, v in sd.items() if k in kept}
-        if dtype is not None:
-            hf = {k: v.to(dtype) if v.is_floating_point() else v for k, v in hf.items()}
-        return hf
-
-    path = Path(path)
-    sources = {**state_dict, **kept}
-    files = hf_io.save_converted(sources, convert, path, max_shard_size=parse_size(max_shard_size))
-    hf_config = config_to_hf(config)
-    if getattr(config, "mtp", None) is not None:  # vLLM's Qwen3_5MultiTokenPredictor reads this count (text_config)
-        hf_config["text_config"]["mtp_num_hidden_layers"] = len(config.mtp.layers)
-    hf_config["text_config"].setdefault("dtype", None)  # stated on both levels (hf_io fills it in)
-    if config.text_family == "qwen3_vl_moe":
-        version = hf_config.get("transformers_version")
-        if experts_layout_of(hf_config) != experts_layout:  # make the folder's version state its layout
-            hf_config["transformers_version"] = "4.57.0" if experts_layout == "hub" else "5.0.0"
-        elif version is None:
-            hf_config["transformers_version"] = "5.0.0"
-    written = dtype or next(iter(state_dict.values())).dtype
-    return files + [hf_io.write_hf_config(path, hf_config, dtype=written, sources=sources)]

@@ -12,8 +12,8 @@ from torch.distributed.tensor import DTensor
 
 from hyper_parallel.config import ActivationCheckpointConfig, CompileConfig, TrainingConfig
 from hyper_parallel.distributed.parallel_dims import ParallelDims
-from hyper_parallel.protocols.hf_io import model_state_dict, read_hf_config
-from hyper_parallel.protocols.hf_storage import StoredTensor
+from hyper_parallel.hf import load_hf_weights, model_state_dict, read_hf_config
+from hyper_parallel.hf.storage import StoredTensor
 from hyper_parallel.protocols.model import split_output
 from tests.torch.st.glm_jobs import Layout
 
@@ -71,7 +71,7 @@ def fp8_sharded_load_job(family: str, fp8_dir: str, ref_dir: str, vocab: int, la
             model.init_weights()  # buffers (RoPE), and the parts the folder lacks
             read.update(fp8=0, scales=0)
             start = time.perf_counter()
-            package.load_hf_weights(model, fp8_dir)
+            load_hf_weights(model, fp8_dir)
             seconds = time.perf_counter() - start
             ours = model_state_dict(model)
             # GLM: the image parts a Glm4MoeLite folder lacks (VQ, head rows [V, V+C)) are initialised, not loaded

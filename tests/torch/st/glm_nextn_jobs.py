@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from hyper_parallel.protocols.hf_io import read_hf_config
-from hyper_parallel.protocols.hf_storage import HFTensor
+from hyper_parallel.hf.convert import read_hf_config
+from hyper_parallel.hf.storage import HFTensor
 from tests.torch.st import glm_jobs
 from tests.torch.st.glm_jobs import Layout
 from tests.torch.st.hf_io_jobs import export_vs_reference
@@ -19,7 +19,8 @@ from tests.torch.st.hf_io_jobs import export_vs_reference
 def nextn_passthrough_export_job(folder: str, reference_export: str, out_root: str, layout: Layout) -> dict[str, Any]:
     """The nextn keys this rank keeps (and whether all are lazy), and on rank 0 the exported files that differ
     from the one-process export."""
-    from hyper_parallel.models.glm_image_moe_v2 import config_from_hf, load_hf_weights, save_pretrained
+    from hyper_parallel.hf import load_hf_weights
+    from hyper_parallel.models.glm_image_moe_v2 import config_from_hf, save_pretrained
 
     config = config_from_hf(read_hf_config(folder))
     assert config.mtp is None

@@ -14,8 +14,8 @@ from torch.distributed.tensor import DTensor
 
 from hyper_parallel.config import ActivationCheckpointConfig, CompileConfig, TrainingConfig
 from hyper_parallel.distributed.parallel_dims import ParallelDims
-from hyper_parallel.protocols.hf_io import model_state_dict, read_hf_config
-from hyper_parallel.protocols.hf_storage import HFTensor, StoredTensor
+from hyper_parallel.hf import model_state_dict, read_hf_config
+from hyper_parallel.hf.storage import HFTensor, StoredTensor
 from tests.torch.st.glm_jobs import Layout
 
 
@@ -42,7 +42,8 @@ def sharded_load_export_job(folder: str, reference_export: str, out_root: str, l
     """Per layout: the keys whose loaded full tensor differs from the one-process load, the bytes this rank
     read from the folder, whether the kept passthrough keys are lazy, and (rank 0) the exported files
     that differ from the one-process export."""
-    from hyper_parallel.models.qwen3_5_moe_v2 import config_from_hf, from_pretrained, load_hf_weights, save_pretrained
+    from hyper_parallel.hf import load_hf_weights
+    from hyper_parallel.models.qwen3_5_moe_v2 import config_from_hf, from_pretrained, save_pretrained
     from hyper_parallel.models.qwen3_5_moe_v2.parallelize import parallelize_qwen3_5_moe
 
     reference = model_state_dict(from_pretrained(folder))  # the one-process load (tiny, on every rank)

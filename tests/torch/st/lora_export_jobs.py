@@ -35,7 +35,7 @@ def _set_trained_(trainer: Any) -> None:
     """Every trained parameter (adapters, the head) to a value seeded by its name, the same on every layout."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from hyper_parallel.protocols.hf_io import full_tensor
+    from hyper_parallel.hf.convert import full_tensor
 
     for name, p in trainer.model.named_parameters():
         name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
@@ -54,7 +54,7 @@ def _set_trained_(trainer: Any) -> None:
 def export_job(labels: list[str], folder: str, out: str) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
     """For each layout: build the trainer, set the trained values, export; rank 0 returns every exported tensor."""
     from hyper_parallel.config.manager import ConfigManager
-    from hyper_parallel.protocols import read_safetensors
+    from hyper_parallel.hf import read_safetensors
 
     results: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
     for label in labels:

@@ -11,8 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hyper_parallel.protocols import shard_gather
-from hyper_parallel.protocols.shard_gather import gather_many, gather_to
+from hyper_parallel.hf import shard_gather
+from hyper_parallel.hf.shard_gather import gather_many, gather_to
 
 
 def _cases(world: int) -> list[tuple[str, tuple[int, ...], tuple[int, ...], list[Any]]]:

@@ -49,7 +49,7 @@ name = "gen"
 source = "direct_token"
 path = "{root / 'gen'}"
 weight = 0.6
-loss_on = "image"
+direct_token = {{ loss_on = "image" }}
 
 [[data.sources]]
 name = "mixed"

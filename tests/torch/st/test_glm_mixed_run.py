@@ -58,7 +58,7 @@ weight = 0.5
 name = "chat"
 source = "text"
 path = "{chat_file(root / 'chats.jsonl')}"
-chat_column = "messages"
+text = {{ chat_column = "messages" }}
 tokenizer = "{release}"
 weight = 0.5
 """

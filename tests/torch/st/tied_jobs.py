@@ -24,7 +24,7 @@ from hyper_parallel.config import ActivationCheckpointConfig, CompileConfig, Tra
 from hyper_parallel.distributed.parallel_dims import ParallelDims
 from hyper_parallel.models.qwen3_5_moe_v2.parallelize import parallelize_qwen3_5_moe
 from hyper_parallel.models.qwen3_5_v2.parallelize import parallelize_qwen3_5
-from hyper_parallel.trainer import _init_buffers
+from hyper_parallel.components.model_builder import init_buffers as _init_buffers
 from tests.torch.st.glm_jobs import Layout
 from tests.torch.st.grad_check import whole_grads
 from tests.torch.st.qwen3_5_jobs import SEED, _train, tiny_config, tiny_dense_config
@@ -100,7 +100,7 @@ def tied_layouts_job(layouts: list[Layout], steps: int, family: str, folder: str
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if dist.get_rank() == 0:
             from hyper_parallel.models import qwen3_5_moe_v2, qwen3_5_v2
-            from hyper_parallel.protocols import read_safetensors
+            from hyper_parallel.hf import read_safetensors
 
             package = qwen3_5_moe_v2 if family == "moe" else qwen3_5_v2
             export = Path(folder) / f"{family}-{layout}" / "hf"

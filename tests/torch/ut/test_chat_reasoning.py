@@ -148,17 +148,18 @@ def test_vision_language_encoder_and_the_cli_pass_them(folder):
     assert encoder.index_params()["template_defaults"] == {"reasoning_effort": "low", "preserve_thinking": False}
 
     cfg = ConfigManager().parse_args(["--module", "qwen3_vl_moe", "--config", "qwen3_5_vl_debug",
-                                      "--data.reasoning_effort", "medium",
-                                      "--data.preserve_thinking", "False"])  # fmt: skip
-    assert (cfg.data.reasoning_effort, cfg.data.preserve_thinking) == ("medium", False)
+                                      "--data.chat.reasoning_effort", "medium",
+                                      "--data.chat.preserve_thinking", "False"])  # fmt: skip
+    assert (cfg.data.chat.reasoning_effort, cfg.data.chat.preserve_thinking) == ("medium", False)
 
 
 @pytest.mark.parametrize("preserve", [False, True])
 def test_text_loader_passes_the_data_defaults(folder, tok, tmp_path, preserve):
-    """``--data.reasoning_effort`` / ``--data.preserve_thinking`` through the text loader (its token cache is keyed
+    """``--data.chat.reasoning_effort`` / ``--data.chat.preserve_thinking`` through the text loader (its token cache is keyed
     by them: one cache folder, two settings, two renderings), labels as the hand-written mask says."""
     import hyper_parallel.data  # noqa: F401 - registers the sources
     from hyper_parallel.data.base import DataConfig
+    from hyper_parallel.data.source_config import ChatOptions, TextOptions
 
     shared = tmp_path.parent / "shared"  # both parameters' runs read the same file through the same cache
     shared.mkdir(exist_ok=True)
@@ -166,9 +167,9 @@ def test_text_loader_passes_the_data_defaults(folder, tok, tmp_path, preserve):
     if not Path(path).exists():
         _jsonl(Path(path), [{"messages": CHAT}])
     cache = shared / "cache"
-    cfg = DataConfig(source="text", path=path, tokenizer=str(folder), chat_column="messages", cache_dir=str(cache),
-                     max_tokens_per_microbatch=256, shuffle_buffer=1, packing_bins=1, reasoning_effort="low",
-                     preserve_thinking=preserve)  # fmt: skip
+    cfg = DataConfig(source="text", path=path, tokenizer=str(folder), text=TextOptions(chat_column="messages"),
+                     cache_dir=str(cache), max_tokens_per_microbatch=256, shuffle_buffer=1, packing_bins=1,
+                     chat=ChatOptions(reasoning_effort="low", preserve_thinking=preserve))  # fmt: skip
     mb = cfg.build(model_facts={"vocab_size": 512}).next_step()[0]
     _, ids, mask = hand_mask(tok, _expected(preserve=preserve, effort=LOW))
     n = len(ids)

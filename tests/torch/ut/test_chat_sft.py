@@ -17,6 +17,7 @@ from PIL import Image
 import hyper_parallel.data  # noqa: F401 - registers the sources
 from hyper_parallel.data.bad_samples import BadSampleError
 from hyper_parallel.data.base import DataConfig
+from hyper_parallel.data.source_config import ChatOptions, TextOptions
 from hyper_parallel.data.tokenizer import HuggingFaceTokenizer
 from tests.torch.ut.test_chat_masks import FAMILIES, TEMPLATES, hand_mask, make_folder
 
@@ -51,8 +52,10 @@ def _documents(mb: dict) -> list[tuple[list[int], list[int]]]:
 
 
 def _text_loader(path: str, tok: str, cache: Path, **kw) -> object:
-    cfg = DataConfig(source="text", path=path, tokenizer=tok, chat_column="messages", cache_dir=str(cache),
-                     max_tokens_per_microbatch=kw.pop("max_tokens", 256), shuffle_buffer=1, packing_bins=1, **kw)  # fmt: skip
+    chat = ChatOptions(**{k: kw.pop(k) for k in list(kw) if k in ChatOptions.__dataclass_fields__})
+    cfg = DataConfig(source="text", path=path, tokenizer=tok, text=TextOptions(chat_column="messages"),
+                     cache_dir=str(cache), max_tokens_per_microbatch=kw.pop("max_tokens", 256), shuffle_buffer=1,
+                     packing_bins=1, chat=chat, **kw)  # fmt: skip
     return cfg.build(model_facts={"vocab_size": 512})
 
 
@@ -260,7 +263,7 @@ def test_sft_recipe_trains_offline_and_loss_falls(tmp_path, module, recipe):
         "--checkpoint.no_export_hf", "--data.cache_dir", str(tmp_path / "cache"),
         "--data.max_tokens_per_microbatch", "256", "--data.global_batch_tokens", "256",
     ])  # fmt: skip
-    assert cfg.data.path == "" and cfg.data.loss_on == "assistant", "the recipe trains on its embedded chat corpus"
+    assert cfg.data.path == "" and cfg.data.chat.loss_on == "assistant", "the recipe trains on its embedded chat corpus"
     trainer = cfg.build()
     try:
         summary = trainer.train()
@@ -308,9 +311,9 @@ def test_vl_writer_and_loader_agree_on_the_tokenizer(tmp_path, qwen_folder):
 def test_loss_on_per_source_in_a_mixture(qwen_folder, tmp_path):
     tok = HuggingFaceTokenizer.from_folder(qwen_folder)
     path = _jsonl(tmp_path / "chats.jsonl", CHATS)
-    common = {"source": "text", "path": path, "tokenizer": str(qwen_folder), "chat_column": "messages"}
+    common = {"source": "text", "path": path, "tokenizer": str(qwen_folder), "text": {"chat_column": "messages"}}
     cfg = DataConfig(
-        sources=[{"name": "sft", **common}, {"name": "lm", **common, "loss_on": "all"}],
+        sources=[{"name": "sft", **common}, {"name": "lm", **common, "chat": {"loss_on": "all"}}],
         cache_dir=str(tmp_path / "cache"), max_tokens_per_microbatch=256, global_batch_tokens=512,
         shuffle_buffer=1, packing_bins=1,
     )  # fmt: skip

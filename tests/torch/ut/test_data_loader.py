@@ -12,6 +12,7 @@ from hyper_parallel.data import (
     DataConfig,
     DataStateMismatch,
     DummyDataLoader,
+    TextOptions,
     ToyCorpusSpec,
     first_difference,
     make_toy_samples,
@@ -63,7 +64,7 @@ def test_dyn_bsz_steps_and_budget(corpus):
     with pytest.raises(ValueError, match="pad_token_id"):
         _loader(corpus, pad_token_id=P)
     with pytest.raises(ValueError, match="split_long_documents is for text"):
-        _loader(corpus, split_long_documents=True)
+        _loader(corpus, text=TextOptions(split_long_documents=True))
 
 
 def test_model_facts_are_required_by_name(corpus):

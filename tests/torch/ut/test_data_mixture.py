@@ -25,7 +25,7 @@ from hyper_parallel.components.source_metrics import SourceLossMeter, source_los
 from hyper_parallel.config.manager import apply_overrides, load_run_file
 from hyper_parallel.data import DataConfig, DataStateMismatch, first_difference, global_batches, write_shards
 from hyper_parallel.data.plan import Planner
-from hyper_parallel.data.source_config import SourceConfig
+from hyper_parallel.data.source_config import ChatOptions, DirectTokenOptions, SourceConfig, TextOptions
 
 V, C, P = 4096, 256, 4095
 FACTS = dict(vocab_size=V, codebook_size=C, placeholder_token_id=P)
@@ -201,8 +201,8 @@ def test_one_source_mixture_is_the_plain_loader(corpora, tmp_path):
 
 def test_loss_on_image_keeps_only_image_targets(corpora, tmp_path):
     cfg = DataConfig(max_tokens_per_microbatch=BUDGET, cache_dir=str(tmp_path / "c"), sources=[
-        {"name": "gen", "path": corpora["mid"], "loss_on": "image"},
-        {"name": "txt", "path": corpora["mid"], "loss_on": "text"},
+        {"name": "gen", "path": corpora["mid"], "direct_token": {"loss_on": "image"}},
+        {"name": "txt", "path": corpora["mid"], "direct_token": {"loss_on": "text"}},
     ])  # fmt: skip
     loader = cfg.build(model_facts=FACTS)
     seen = set()
@@ -212,6 +212,52 @@ def test_loss_on_image_keeps_only_image_targets(corpora, tmp_path):
             assert lab.numel() > 0 and ((lab >= V).all() if s == 0 else (lab < V).all())
             seen.add(s)
     assert seen == {0, 1}
+
+
+def test_direct_token_loss_on_is_the_sources_own_section(corpora, tmp_path):
+    """``data.direct_token.loss_on`` acts on a single DirectToken source as on a mixture entry (the same labels),
+    and a mixture takes each source's own sections: one left in the data section, or one of another source type,
+    is an error naming the field."""
+    common = dict(max_tokens_per_microbatch=BUDGET, cache_dir=str(tmp_path / "c"))
+    single = {m: DataConfig(path=corpora["mid"], direct_token=DirectTokenOptions(loss_on=m), **common).build(
+        model_facts=FACTS) for m in ("image", "text")}  # fmt: skip
+    entry = SourceConfig(name="gen", path=corpora["mid"], direct_token=DirectTokenOptions(loss_on="image"))
+    mixed = DataConfig(sources=[entry], **common).build(model_facts=FACTS)
+    plain = DataConfig(path=corpora["mid"], **common).build(model_facts=FACTS)
+    for _ in range(3):
+        (img,), (txt,), (mix,), (raw,) = (single["image"].next_step(), single["text"].next_step(), mixed.next_step(),
+                                          plain.next_step())  # fmt: skip
+        assert torch.equal(img["labels"], mix["labels"]) and torch.equal(img["input_ids"], raw["input_ids"])
+        kept = raw["labels"] != -100
+        assert torch.equal(img["labels"] != -100, kept & (raw["labels"] >= V)) and bool((img["labels"] >= V).any())
+        assert torch.equal(txt["labels"] != -100, kept & (raw["labels"] < V))
+    with pytest.raises(ValueError, match=r"^data.chat.loss_on='assistant' and data.sources are both set"):
+        DataConfig(cache_dir=str(tmp_path), chat=ChatOptions(loss_on="assistant"),
+                   sources=[SourceConfig(name="t", source="text")]).build(model_facts=FACTS)  # fmt: skip
+    with pytest.raises(ValueError, match=r"data source 'g': chat_column='m' \(text.chat_column\) is an option of text"):
+        DataConfig(cache_dir=str(tmp_path), sources=[
+            SourceConfig(name="g", text=TextOptions(chat_column="m"))]).build(model_facts=FACTS)  # fmt: skip
+
+
+def test_run_file_sources_are_read_once_into_sections(tmp_path):
+    """A run file's ``[[data.sources]]`` tables (sections as nested tables) become SourceConfig when the file is
+    read; a key of a section given flat, or a value of the wrong kind, is one line naming the entry and key."""
+    from hyper_parallel.config import ConfigError
+
+    def read(body: str) -> DataConfig:
+        (tmp_path / "run.toml").write_text(body)
+        return apply_overrides(_Wrap(), load_run_file(tmp_path / "run.toml"), source="run.toml").data
+
+    data = read('[[data.sources]]\nname = "c"\nsource = "text"\nweight = 2\ntext = { chat_column = "messages" }\n'
+                '[data.sources.chat]\nloss_on = "assistant"\n')  # fmt: skip
+    (entry,) = data.sources
+    assert entry == SourceConfig(name="c", source="text", weight=2.0, text=TextOptions(chat_column="messages"),
+                                 chat=ChatOptions(loss_on="assistant"))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^run.toml: data.sources\[0\] \('c'\): unknown key 'chat_column'; it is a "
+                                          r"field of the entry's text section \(text.chat_column\)$"):
+        read('[[data.sources]]\nname = "c"\nchat_column = "messages"\n')
+    with pytest.raises(ConfigError, match=r"^run.toml: data.sources\[0\] \('c'\).chat: loss_on=1 must be a string$"):
+        read('[[data.sources]]\nname = "c"\nchat = { loss_on = 1 }\n')
 
 
 def test_bad_samples_are_counted_per_source(corpora, tmp_path):
@@ -243,7 +289,7 @@ def test_bad_samples_are_counted_per_source(corpora, tmp_path):
         ([{"name": "a"}, {"name": "b"}, {"name": "a"}], r"two data.sources are named 'a' \(entries 0 and 2\)"),
         ([{"name": "a", "wieght": 2}], r"data.sources\[0\] \('a'\): unknown key 'wieght'; did you mean 'weight'"),
         ([{"weight": 2}], r"data.sources\[0\] needs a `name`"),
-        ([{"name": "t", "source": "text", "loss_on": "image"}], r"data source 't': loss_on='image'"),
+        ([{"name": "t", "source": "text", "chat": {"loss_on": "image"}}], r"data source 't': loss_on='image'"),
     ],
 )
 def test_bad_mixture_configs_name_the_source(tmp_path, sources, message):

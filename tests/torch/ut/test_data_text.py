@@ -17,6 +17,7 @@ from hyper_parallel.data import (
     BadSampleError,
     DataConfig,
     HuggingFaceTextDataLoader,
+    TextOptions,
     TextShardWriter,
     first_difference,
     global_batches,
@@ -159,7 +160,7 @@ def test_over_long_documents_error_skip_or_split(tmp_path, toy):
     skip = _text(tmp_path / "cache", str(path), tokenizer=toy.tokenizer_dir, on_bad_sample="skip").build(model_facts=facts)
     ids = np.concatenate([mb["input_ids"].view(-1).numpy() for mb in skip.next_step()])
     assert skip.bad_sample_counts == {"too_long": 1} and len(ids) > 0
-    split = _text(tmp_path / "cache", str(path), tokenizer=toy.tokenizer_dir, split_long_documents=True,
+    split = _text(tmp_path / "cache", str(path), tokenizer=toy.tokenizer_dir, text=TextOptions(split_long_documents=True),
                   packing_bins=1).build(model_facts=facts)  # fmt: skip
     tok = HuggingFaceTokenizer.from_folder(toy.tokenizer_dir)
     want = tok.encode(long_text) + [tok.eos_id]

@@ -18,6 +18,7 @@ from PIL import Image
 
 from hyper_parallel.data import BadSampleError, PresetDataLoader, first_difference, global_batches
 from hyper_parallel.data.bad_samples import BadSample
+from hyper_parallel.data.source_config import TextOptions
 from hyper_parallel.data.text import cached_toy_text
 from hyper_parallel.data.tokenizer import HuggingFaceTokenizer
 from hyper_parallel.data.vision_language import (
@@ -334,7 +335,7 @@ def test_reserved_ids_in_text_and_bad_model_facts(tmp_path, cache, tok):
     with pytest.raises(ValueError, match="set data.tokenizer"):
         VisionLanguageDataLoader.Config(path=str(tmp_path), cache_dir=cache).build(model_facts=FACTS)
     with pytest.raises(ValueError, match="split_long_documents is for text"):
-        _cfg(cache, split_long_documents=True).build(model_facts=FACTS)
+        _cfg(cache, text=TextOptions(split_long_documents=True)).build(model_facts=FACTS)
 
 
 # -- toy corpus, writer CLI, preset replay --------------------------------------------------------------

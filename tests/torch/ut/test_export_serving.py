@@ -39,9 +39,9 @@ from hyper_parallel.models import glm_image_moe_v2, qwen3_5_moe_v2, qwen3_5_v2, 
 from hyper_parallel.models.glm_image_moe_v2.config_registry import glm_image_moe_debug  # noqa: E402
 from hyper_parallel.models.qwen3_5_moe_v2.config_registry import qwen3_5_moe_debug  # noqa: E402
 from hyper_parallel.models.qwen3_vl_moe_v2 import state_dict as vl_state_dict  # noqa: E402
-from hyper_parallel.protocols import read_safetensors, write_safetensors  # noqa: E402
-from hyper_parallel.protocols.hf_io import export_hf_config  # noqa: E402
-from hyper_parallel.protocols.hf_serving import write_serving_files  # noqa: E402
+from hyper_parallel.hf import read_safetensors, write_safetensors  # noqa: E402
+from hyper_parallel.hf.save import export_hf_config  # noqa: E402
+from hyper_parallel.hf.serving import write_serving_files  # noqa: E402
 from tests.torch.ut.test_mtp_qwen3_5 import _HFMtp  # noqa: E402
 
 TOL = 1e-5
@@ -141,7 +141,7 @@ def _train_and_export(release: Path, root: Path, *extra: str) -> dict[str, Any]:
         "--checkpoint.initial_load_path", str(release), "--checkpoint.export_hf", "True",
         "--checkpoint.export_dtype", "float32", "--checkpoint.enable", "False", "--training.steps", "1",
         "--data.source", "text", "--data.path", _chats(root / "chats.jsonl"), "--data.tokenizer", str(release),
-        "--data.chat_column", "messages", "--data.max_tokens_per_microbatch", "64",
+        "--data.text.chat_column", "messages", "--data.max_tokens_per_microbatch", "64",
         "--data.global_batch_tokens", "64", "--data.cache_dir", str(root / "cache"), "--metrics.log_freq", "1",
         *extra,
     ]  # fmt: skip
@@ -263,7 +263,7 @@ def test_transformers_reads_the_export_to_the_trained_logits(run):
 
 def test_a_text_only_export_keeps_the_mtp_head_and_says_what_it_leaves_out(release, tmp_path, caplog):
     model = qwen3_5_moe_v2.from_pretrained(release)  # MTP off: mtp.* and model.visual.* kept aside
-    with caplog.at_level("WARNING", logger="hyper_parallel.protocols.hf_io"):
+    with caplog.at_level("WARNING", logger="hyper_parallel.hf.convert"):
         qwen3_5_moe_v2.save_pretrained(model, tmp_path / "text", text_only=True)
     before, after = read_safetensors(release), read_safetensors(tmp_path / "text")
     mtp = [k for k in before if k.startswith("mtp.")]

@@ -16,8 +16,8 @@ import hyper_parallel
 from hyper_parallel.config import ConfigError, ConfigManager
 from hyper_parallel.models import qwen3_5_moe_v2, qwen3_vl_moe_v2
 from hyper_parallel.models.qwen3_5_moe_v2.config_registry import qwen3_5_moe_debug
-from hyper_parallel.protocols.hf_io import CheckpointKeyError
-from hyper_parallel.protocols.hf_model import resolve_run_model
+from hyper_parallel.hf.convert import CheckpointKeyError
+from hyper_parallel.hf.folder import folder_family, resolve_run_model
 from hyper_parallel.protocols.model_spec import get_spec
 from hyper_parallel.train import main as train_main
 from tests.torch.ut.test_released_configs import _shrink
@@ -55,7 +55,7 @@ def moe_folder(tmp_path_factory) -> Path:
 
 
 def _parse(*args: str) -> tuple[Any, ConfigManager]:
-    manager = ConfigManager()
+    manager = ConfigManager(folder_family=folder_family)  # as hyper_parallel.train does
     return manager.parse_args(list(args)), manager
 
 
@@ -139,7 +139,7 @@ def test_dry_run_sizes_the_folders_model(tmp_path):
     report = main(["--config", "qwen3_5_moe_debug", "--checkpoint.initial_load_path", str(folder), "--world_size", "1",
                    "--no_step"])  # fmt: skip
     with torch.device("meta"):
-        want = sum(p.numel() for p in get_spec("qwen3_5_moe").hf_mtp.config_from_hf(d).build().parameters())
+        want = sum(p.numel() for p in get_spec("qwen3_5_moe").hf.mtp.config_from_hf(d).build().parameters())
     assert report.num_layers == 8 and report.model_numel == want
 
 

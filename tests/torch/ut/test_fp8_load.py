@@ -28,9 +28,9 @@ from safetensors.torch import load_file, save_file
 
 from hyper_parallel.models import glm_image_moe_v2, qwen3_5_moe_v2, qwen3_5_v2, qwen3_vl_moe_v2
 from hyper_parallel.models.qwen3_vl_moe_v2.state_dict import config_to_hf as vl_config_to_hf
-from hyper_parallel.protocols import hf_quant
-from hyper_parallel.protocols.hf_quant import UnsupportedQuantizationError
-from hyper_parallel.protocols.hf_storage import HFCheckpointError, HFFolder, StoredTensor
+from hyper_parallel.hf import quant as hf_quant
+from hyper_parallel.hf.quant import UnsupportedQuantizationError
+from hyper_parallel.hf.storage import HFCheckpointError, HFFolder, StoredTensor
 from hyper_parallel.protocols.model import split_output
 
 BLOCK = (128, 128)
@@ -366,7 +366,7 @@ def test_fp8_release_through_the_trainer_initial_load_path(tmp_path, releases):
     """The CLI path (``--checkpoint.initial_load_path`` an FP8 release): the run's model is the release's,
     dequantized: every parameter equals the one-process load of the dequantized folder."""
     from hyper_parallel.config import ConfigManager
-    from hyper_parallel.protocols.hf_io import full_tensor
+    from hyper_parallel.hf.convert import full_tensor
 
     fp8_dir, ref_dir, _, _ = releases("qwen3_5_moe")
     cfg = ConfigManager().parse_args(

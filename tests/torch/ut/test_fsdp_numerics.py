@@ -143,11 +143,11 @@ def test_cuda_copies_go_through_pinned_memory(monkeypatch):
     assert out["max_seqlen"] == 4 and out["cu_seqlens_host"] == [0, 4, 8]  # host facts stay Python
 
     calls.clear()  # the trainer's device copy takes the same path for its device
-    from hyper_parallel.trainer import Trainer
+    from hyper_parallel.components.step import StepRunner
 
-    Trainer._to_device(SimpleNamespace(device=torch.device("cuda")), batch)
+    StepRunner.to_device(SimpleNamespace(device=torch.device("cuda")), batch)
     assert [c[0] for c in calls] == ["pin", "to"] and calls[1][1] is True
 
     calls.clear()  # a CPU run pins nothing
-    Trainer._to_device(SimpleNamespace(device=torch.device("cpu")), batch)
+    StepRunner.to_device(SimpleNamespace(device=torch.device("cpu")), batch)
     assert [c[0] for c in calls] == ["to"] and calls[0][1] is False

@@ -36,7 +36,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from hyper_parallel.config import ConfigManager  # noqa: E402
 from hyper_parallel.config.errors import ConfigError  # noqa: E402
 from hyper_parallel.models.glm_image_moe_v2 import from_pretrained, glm_image_moe_config, save_pretrained  # noqa: E402
-from hyper_parallel.protocols import read_safetensors  # noqa: E402
+from hyper_parallel.hf import read_safetensors  # noqa: E402
 from hyper_parallel.protocols.model import split_output  # noqa: E402
 from tests.torch.ut.test_folder_is_model import glm_flash_folder, write_hf_folder  # noqa: E402
 
@@ -106,7 +106,7 @@ def sft_argv(release: Path, root: Path, *extra: str) -> list[str]:
         "--checkpoint.initial_load_path", str(release), "--checkpoint.export_hf", "True",
         "--checkpoint.export_dtype", "float32", "--checkpoint.enable", "False", "--training.steps", "1",
         "--data.source", "text", "--data.path", chat_file(root / "chats.jsonl"), "--data.tokenizer", str(release),
-        "--data.chat_column", "messages", "--data.max_tokens_per_microbatch", "128",
+        "--data.text.chat_column", "messages", "--data.max_tokens_per_microbatch", "128",
         "--data.global_batch_tokens", "128", "--data.cache_dir", str(root / "cache"), "--metrics.log_freq", "1",
         "--model.router_aux_loss_coef", "0", *extra,
     ]  # fmt: skip
@@ -270,7 +270,7 @@ def test_placeholder_id_matters_only_with_an_image_path():
 def test_lora_merged_export_writes_routers_in_the_export_dtype(release, tmp_path):
     """The merged LoRA export is the family's own export: every floating tensor in the export dtype, routers too."""
     from hyper_parallel.models.glm_image_moe_v2 import GLM_IMAGE_MOE_SPEC
-    from hyper_parallel.protocols.hf_lora import save_merged
+    from hyper_parallel.hf.lora_export import save_merged
 
     folder, _ = release
     save_merged(GLM_IMAGE_MOE_SPEC, from_pretrained(folder, mtp=True), tmp_path / "merged", dtype=torch.bfloat16)

@@ -18,7 +18,7 @@ from hyper_parallel.models.glm_image_moe_v2 import (
     glm_image_moe_config,
     save_pretrained,
 )
-from hyper_parallel.protocols import read_safetensors, write_safetensors
+from hyper_parallel.hf import read_safetensors, write_safetensors
 from tests.torch.ut.hf_utils import randomize_, tiny_lite_config
 
 V = 256  # tiny lang vocab of tiny_lite_config

@@ -1,4 +1,4 @@
-"""HF folders read lazily and per shard (``protocols/hf_storage.py``): every lazy conversion reads any box
+"""HF folders read lazily and per shard (``hf/storage.py``): every lazy conversion reads any box
 exactly as the eager tensor op would; ``from_pretrained`` through the lazy path equals the eager
 conversion of the whole folder (DeltaNet row regrouping, per-expert -> fused experts, Qwen3-VL-MoE hub
 layout); passthrough keys stay lazy and survive an export, also into the folder they were read from; and
@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hyper_parallel.protocols import hf_storage
-from hyper_parallel.protocols.hf_io import CheckpointKeyError, model_state_dict
-from hyper_parallel.protocols.hf_storage import HFCheckpointError, HFFolder, HFTensor, StoredTensor
-from hyper_parallel.protocols.state_dict_adapter import read_safetensors, write_safetensors
+from hyper_parallel.hf import storage as hf_storage
+from hyper_parallel.hf import CheckpointKeyError, model_state_dict
+from hyper_parallel.hf.storage import HFCheckpointError, HFFolder, HFTensor, StoredTensor
+from hyper_parallel.hf.storage import read_safetensors, write_safetensors
 
 
 def _boxes(shape: tuple[int, ...], gen: torch.Generator, n: int = 12):

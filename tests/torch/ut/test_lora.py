@@ -15,15 +15,23 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hyper_parallel.config import ActivationCheckpointConfig
 from hyper_parallel.config.errors import ConfigError
-from hyper_parallel.config.lora import LoRAConfig, apply_lora, lora_targets, lora_trainable_names
+from hyper_parallel.config.lora import LoRAConfig
 from hyper_parallel.config.manager import ConfigManager
 from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.models.common.lora import LoRA, init_adapters_, is_lora_param
+from hyper_parallel.models.common.lora_policy import (
+    LoRAExport,
+    LoRAPolicy,
+    apply_lora,
+    lora_targets,
+    lora_trainable_names,
+)
 from hyper_parallel.models.common.moe import GroupedExperts
 from hyper_parallel.models.glm_image_moe_v2.config_registry import glm_image_moe_debug
 from hyper_parallel.models.qwen3_5_moe_v2.config_registry import qwen3_5_moe_debug
 from hyper_parallel.models.qwen3_vl_moe_v2.config_registry import qwen3_vl_moe_debug
-from hyper_parallel.protocols.hf_io import full_tensor
+from hyper_parallel.hf import load_hf_weights, save_pretrained
+from hyper_parallel.hf.convert import full_tensor
 from hyper_parallel.protocols.model_spec import discover_model_spec
 
 
@@ -166,10 +174,10 @@ def test_fresh_adapters_keep_the_base_logits(recipe, targets, tmp_path):
     torch.manual_seed(0)
     base = run.model.build()
     base.init_weights()
-    spec.save_pretrained(base, tmp_path)
+    save_pretrained(base, tmp_path, spec=spec)
     lora_cfg = apply_lora(run.model, LoRAConfig(rank=4, targets=targets, share_experts=recipe is glm_image_moe_debug))
     model = lora_cfg.build()
-    spec.load_hf_weights(model, str(tmp_path), init_missing=lambda: pytest.fail("the folder fills the whole base"))
+    load_hf_weights(model, str(tmp_path), spec=spec, init_missing=lambda: pytest.fail("the folder fills the whole base"))
     assert init_adapters_(model, seed=0) > 0
     adapters = {n: p for n, p in model.named_parameters() if is_lora_param(n)}
     assert len(adapters) > 0 and all(not p.any() for n, p in adapters.items() if "lora_B" in n)
@@ -205,7 +213,7 @@ def test_lora_training_moves_only_adapters(module, recipe, targets, tmp_path):
         torch.manual_seed(3)
         base = glm_image_moe_debug().model.build()
         base.init_weights()
-        discover_model_spec(module).save_pretrained(base, tmp_path / "base")
+        save_pretrained(base, tmp_path / "base", spec=discover_model_spec(module))
         base_sd = base.state_dict()
         extra = ["--lora.modules_to_save", "vq_to_llm_proj", "--checkpoint.initial_load_path", str(tmp_path / "base")]
     else:
@@ -295,6 +303,49 @@ def test_apply_lora_is_pure_and_not_a_model_difference():
     assert run.lora.rank == 4 and not [f for f in run.explicit_model_fields if "lora" in f]
     assert all(c.lora is None for _, c, _, _ in run.model.traverse(Linear.Config))
 
+
+
+def test_lora_policy_answers_every_lora_question(tmp_path):
+    model_cfg = glm_image_moe_debug().model
+    source = tmp_path / "source.json"
+    source.write_text("not json: a run without LoRA never reads it")
+    off = LoRAPolicy(LoRAConfig(), "folder")
+    with torch.device("meta"):
+        plain = off.apply(model_cfg).build()
+    assert off.apply(model_cfg) is model_cfg and off.trainable_names(plain) == frozenset()
+    trained_before = [n for n, p in plain.named_parameters() if p.requires_grad]
+    off.freeze(plain, ())
+    assert [n for n, p in plain.named_parameters() if p.requires_grad] == trained_before and trained_before
+    assert off.saves_frozen and not off.base_from_folder
+    assert off.export_form(["lm_head.weight"]) is None and off.init_adapters(plain, 0) == 0
+    off.check_resume(source, lambda: 1 / 0)  # neither the file nor the listing is read
+
+    lora = LoRAConfig(rank=4, targets=("q_b_proj",), modules_to_save=("lm_head",), export_merged=True)
+    from_folder, random_base = LoRAPolicy(lora, "/models/glm"), LoRAPolicy(lora, "")
+    with torch.device("meta"):
+        model = from_folder.apply(model_cfg).build()
+    trainable = from_folder.trainable_names(model)
+    assert trainable == lora_trainable_names(model, ["lm_head"]) and "lm_head.weight" in trainable
+    from_folder.freeze(model, trainable)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable
+    assert from_folder.targets(model_cfg) == lora_targets(model_cfg, ["q_b_proj"])
+    assert from_folder.adapter == LoRA.Config(rank=4, alpha=16.0) and from_folder.adapter.scale == 4.0
+    assert from_folder.base_from_folder and not from_folder.saves_frozen
+    assert not random_base.base_from_folder and random_base.saves_frozen
+    assert from_folder.export_form(trainable) == LoRAExport(
+        vllm=False, merged=True, base_model_name_or_path="/models/glm", modules_to_save=["lm_head.weight"]
+    )
+    summary = from_folder.summary(model, model_cfg, "bfloat16")
+    assert summary.startswith("LoRA rank 4 (scale 4) on 4 projections (q_b_proj): ") and "(lm_head)" in summary
+
+    # the resume guard: an adapters-only run (started from a folder) resumed without it
+    from_folder.check_resume(source, lambda: 1 / 0)  # the base comes from the folder again: nothing to check
+    source.write_text('{"initial_load_path": "/models/glm"}')
+    random_base.check_resume(source, lambda: False)  # no checkpoint yet: a fresh start
+    with pytest.raises(ValueError, match="resume with --checkpoint.initial_load_path /models/glm"):
+        random_base.check_resume(source, lambda: True)
+    source.write_text('{"initial_load_path": ""}')
+    random_base.check_resume(source, lambda: True)  # it started from a random base: its checkpoints hold it
 
 def test_lora_under_compile_and_activation_checkpointing_equals_eager(tmp_path):
     """torch.compile (aot_eager: AOTAutograd traces the adapters' forward and backward; inductor's C++ build is too

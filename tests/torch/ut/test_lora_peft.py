@@ -31,9 +31,12 @@ peft = pytest.importorskip("peft")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from hyper_parallel.config.lora import LoRAConfig, apply_lora, lora_trainable_names  # noqa: E402
-from hyper_parallel.protocols import hf_io, read_safetensors  # noqa: E402
-from hyper_parallel.protocols.hf_lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_adapter, save_merged  # noqa: E402
+from hyper_parallel.config.lora import LoRAConfig  # noqa: E402
+from hyper_parallel.models.common.lora_policy import apply_lora, lora_trainable_names  # noqa: E402
+from hyper_parallel.hf import read_safetensors  # noqa: E402
+from hyper_parallel.hf.convert import full_tensor  # noqa: E402
+from hyper_parallel.hf.load import build_from_hf  # noqa: E402
+from hyper_parallel.hf.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_adapter, save_merged  # noqa: E402
 from hyper_parallel.protocols.model_spec import discover_model_spec  # noqa: E402
 from tests.torch.ut.test_folder_is_model import (  # noqa: E402
     glm_flash_folder,
@@ -55,9 +58,9 @@ def _logits(out: Any) -> torch.Tensor:
 
 def _ours(spec: Any, folder: Path, lora: LoRAConfig) -> Any:
     """Our model read from ``folder`` with ``lora``'s adapters (as the trainer builds it), adapters random."""
-    model = hf_io.build_from_hf(
-        spec.model, folder, config_from_hf=lambda d: apply_lora(spec.config_from_hf(d), lora),
-        load_weights=spec.load_hf_weights, dtype=torch.float32, device="cpu",
+    model = build_from_hf(
+        spec.model, folder, config_from_hf=lambda d: apply_lora(spec.hf.config_from_hf(d), lora),
+        spec=spec, dtype=torch.float32, device="cpu",
     )  # fmt: skip
     trained = lora_trainable_names(model, lora.modules_to_save)
     gen = torch.Generator().manual_seed(11)
@@ -201,7 +204,7 @@ def test_trainer_lora_run_exports_what_peft_vllm_and_transformers_read(tmp_path)
         model = trainer.model.eval()
         assert all(not p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)
         b = [p for n, p in model.named_parameters() if n.endswith("experts.gate_up_proj_lora_B")]
-        assert b and all(float(hf_io.full_tensor(p).abs().max()) > 0 for p in b)  # trained off its zero init
+        assert b and all(float(full_tensor(p).abs().max()) > 0 for p in b)  # trained off its zero init
         with torch.no_grad():
             want = _logits(model(batch["input_ids"]))[..., : d["vocab_size"]]
     finally:

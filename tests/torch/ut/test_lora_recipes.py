@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from hyper_parallel.config.lora import apply_lora, lora_trainable_names
+from hyper_parallel.models.common.lora_policy import apply_lora, lora_trainable_names
 from hyper_parallel.config.manager import ConfigManager, available_recipes
 from hyper_parallel.distributed.env import intra_op_threads
 from hyper_parallel.dry_run import dry_run

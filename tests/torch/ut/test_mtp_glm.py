@@ -30,8 +30,9 @@ from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import Glm4MoeLite
 
 from hyper_parallel.data.packing import add_mtp_targets
 from hyper_parallel.models.glm_image_moe_v2 import from_pretrained, save_pretrained
-from hyper_parallel.models.glm_image_moe_v2.state_dict import GlmImageMoeStateDictAdapter, load_hf_weights
-from hyper_parallel.protocols import read_safetensors, write_safetensors
+from hyper_parallel.hf import load_hf_weights
+from hyper_parallel.models.glm_image_moe_v2.state_dict import GlmImageMoeStateDictAdapter
+from hyper_parallel.hf import read_safetensors, write_safetensors
 from tests.torch.ut.hf_utils import randomize_, tiny_lite_config
 
 V = 256

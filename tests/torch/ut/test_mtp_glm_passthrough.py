@@ -13,8 +13,8 @@ from transformers import Glm4MoeLiteForCausalLM
 
 from hyper_parallel.data.packing import add_mtp_targets
 from hyper_parallel.models.glm_image_moe_v2 import from_pretrained, save_pretrained
-from hyper_parallel.protocols import read_safetensors, write_safetensors
-from hyper_parallel.protocols.hf_storage import HFTensor
+from hyper_parallel.hf import read_safetensors, write_safetensors
+from hyper_parallel.hf.storage import HFTensor
 from tests.torch.ut.hf_utils import randomize_, tiny_lite_config
 from tests.torch.ut.test_mtp_glm import _HFNextn
 

@@ -27,7 +27,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecod
 from hyper_parallel.data.packing import add_mtp_targets, shift_labels
 from hyper_parallel.models import qwen3_5_moe_v2, qwen3_5_v2
 from hyper_parallel.models.qwen3_5_v2.model import Qwen3_5Model
-from hyper_parallel.protocols import read_safetensors, write_safetensors
+from hyper_parallel.hf import read_safetensors, write_safetensors
 from tests.torch.ut import test_qwen3_5_model as dense_t
 from tests.torch.ut import test_qwen3_5_moe_model as moe_t
 from tests.torch.ut.hf_utils import randomize_

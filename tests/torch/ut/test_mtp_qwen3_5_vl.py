@@ -14,8 +14,9 @@ import torch
 
 from hyper_parallel.data.packing import add_mtp_targets
 from hyper_parallel.models.qwen3_5_v2.model import qwen3_5_with_mtp
-from hyper_parallel.models.qwen3_vl_moe_v2.state_dict import config_from_hf, load_hf_weights
-from hyper_parallel.protocols import read_safetensors, write_safetensors
+from hyper_parallel.hf import load_hf_weights
+from hyper_parallel.models.qwen3_vl_moe_v2.state_dict import config_from_hf
+from hyper_parallel.hf import read_safetensors, write_safetensors
 from tests.torch.ut.test_mtp_qwen3_5 import _HFMtp
 from tests.torch.ut.test_qwen3_vl_moe_model import IMG, _qwen3_5_moe_hf, _two_images
 

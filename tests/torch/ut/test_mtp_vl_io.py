@@ -20,9 +20,9 @@ from hyper_parallel.models.qwen3_vl_moe_v2.config_registry import (  # noqa: E40
     qwen3_5_moe_vl_debug,
     qwen3_5_moe_vl_mtp_debug,
 )
-from hyper_parallel.protocols import read_safetensors  # noqa: E402
-from hyper_parallel.protocols.hf_io import full_tensor  # noqa: E402
-from hyper_parallel.protocols.hf_storage import HFTensor  # noqa: E402
+from hyper_parallel.hf import read_safetensors  # noqa: E402
+from hyper_parallel.hf.convert import full_tensor  # noqa: E402
+from hyper_parallel.hf.storage import HFTensor  # noqa: E402
 
 IMG, VS, VE = 512, 513, 514  # the VL debug recipes' toy ids
 TOL = 1e-5

@@ -211,7 +211,7 @@ def test_release_trains_its_aux_loss_exports_fused_and_resumes_without_the_path(
     assert not any(_EXPERT.match(k) for k in keys)
     # rerun without the folder's path: the folder's model resumes and continues its steps
     cfg = ConfigManager().parse_args([*base, "--training.steps", "2", "--checkpoint.no_export_hf"])
-    from hyper_parallel.protocols.hf_model import resumed_folder_config
+    from hyper_parallel.hf.folder import resumed_folder_config
 
     # (checked first: building the recipe's own model instead would be the 35B one)
     assert resumed_folder_config(cfg).checkpoint.initial_load_path == str(release)
@@ -366,7 +366,7 @@ def test_dry_run_advice_names_lora_when_a_full_fine_tune_does_not_fit():
 def test_adapter_config_names_the_base_folder_absolute(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from hyper_parallel.protocols.hf_lora import _adapter_config
+    from hyper_parallel.hf.lora_export import _adapter_config
 
     (tmp_path / "Qwen3.5-tiny").mkdir()
     monkeypatch.chdir(tmp_path)

@@ -10,10 +10,11 @@ import torch
 from hyper_parallel.config.errors import ConfigError
 from hyper_parallel.config.parallelism import ParallelismConfig
 from hyper_parallel.distributed.parallel_dims import ParallelDims
-from hyper_parallel.distributed.pipeline_plan import StageCosts, plan_stages, stage_ranks, stages_of_rank
+from hyper_parallel.distributed.pipeline_plan import plan_stages, stage_ranks, stages_of_rank
 from hyper_parallel.models.glm_image_moe_v2.config_registry import glm_image_moe_debug
 from hyper_parallel.models.qwen3_5_moe_v2.config_registry import qwen3_5_moe_debug
 from hyper_parallel.models.qwen3_vl_moe_v2.config_registry import qwen3_vl_moe_pp_debug
+from hyper_parallel.protocols.pipeline_stage import StageCosts
 
 
 def _layers(spans):

@@ -7,6 +7,7 @@ import torch
 
 from hyper_parallel.config import Configurable
 from hyper_parallel.models.common.feed_forward import FeedForward
+from hyper_parallel.hf import read_safetensors, write_safetensors
 from hyper_parallel.models.common.linear import Linear
 from hyper_parallel.protocols import (
     BaseModel,
@@ -16,9 +17,7 @@ from hyper_parallel.protocols import (
     NormalInit,
     discover_model_spec,
     get_spec,
-    read_safetensors,
     register_spec,
-    write_safetensors,
 )
 
 

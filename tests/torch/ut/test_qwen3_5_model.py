@@ -11,7 +11,7 @@ import torch
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
 from hyper_parallel.models.qwen3_5_v2 import Qwen3_5Model, config_from_hf, from_pretrained, save_pretrained
-from hyper_parallel.protocols import read_safetensors, write_safetensors
+from hyper_parallel.hf import read_safetensors, write_safetensors
 from tests.torch.ut.hf_utils import hf_row_order, randomize_
 from tests.torch.ut.test_qwen3_5_moe_model import _batch, _ce, _hf_like_decay_, _hf_name, _rope
 

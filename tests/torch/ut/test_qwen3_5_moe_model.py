@@ -23,7 +23,7 @@ from hyper_parallel.models.qwen3_5_moe_v2 import (
     save_pretrained,
 )
 from hyper_parallel.models.qwen3_5_moe_v2.model import qwen3_5_moe_config
-from hyper_parallel.protocols import read_safetensors, write_safetensors
+from hyper_parallel.hf import read_safetensors, write_safetensors
 from hyper_parallel.protocols.model import split_output
 from tests.torch.ut.hf_utils import hf_row_order, randomize_
 

@@ -142,7 +142,7 @@ def test_mtp_block_from_the_folder_matches_the_reference_with_images(tmp_path):
     reference of ``test_mtp_qwen3_5``) load into the dense Qwen3.5 MTP block; at a position before an image token
     its input is that token's visual feature (as for the Qwen3.5-MoE VL model, ``test_mtp_qwen3_5_vl``)."""
     from hyper_parallel.data.packing import add_mtp_targets
-    from hyper_parallel.protocols import read_safetensors, write_safetensors
+    from hyper_parallel.hf import read_safetensors, write_safetensors
     from tests.torch.ut.test_mtp_qwen3_5 import _HFMtp
 
     _, hf = _folder("qwen3_5_0_8b.json", tmp_path)  # text_config.mtp_num_hidden_layers 1, as released

@@ -127,7 +127,7 @@ def test_values_not_modelled_are_refused_by_name():
 
 def test_the_family_is_read_from_the_layers_and_the_folder():
     from hyper_parallel.models.qwen3_vl_moe_v2.config_registry import qwen3_vl_debug, qwen3_vl_moe_debug
-    from hyper_parallel.protocols.model_spec import HF_MODEL_TYPES
+    from hyper_parallel.protocols.hf_spec import HF_MODEL_TYPES
 
     assert HF_MODEL_TYPES["qwen3_vl"] == ("qwen3_vl_moe",)
     dense = qwen3_vl_debug().model

@@ -140,7 +140,7 @@ def test_packed_rows_equal_documents_run_separately(family):
 
 
 def _tensors(folder) -> dict[str, torch.Tensor]:
-    from hyper_parallel.protocols.state_dict_adapter import read_safetensors
+    from hyper_parallel.hf.storage import read_safetensors
 
     return read_safetensors(folder)
 

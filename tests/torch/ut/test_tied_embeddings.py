@@ -12,7 +12,7 @@ import torch
 
 from hyper_parallel.config import ConfigManager
 from hyper_parallel.models.glm_image_moe_v2.config_registry import glm_image_moe_debug
-from hyper_parallel.protocols import read_safetensors
+from hyper_parallel.hf import read_safetensors
 from hyper_parallel.protocols.model import split_output
 
 COMMON = ("--module", "qwen3_5", "--config", "qwen3_5_debug", "--model.tie_word_embeddings", "True",

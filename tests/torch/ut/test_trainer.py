@@ -127,7 +127,7 @@ def test_both_optimizers_train_the_debug_model(tmp_path, optimizer):
 
 @pytest.mark.parametrize("path", ["full_copy", "broadcast_shards"])
 def test_initial_load_path_starts_from_the_hf_checkpoint(tmp_path, monkeypatch, path):
-    from hyper_parallel import trainer as trainer_module
+    from hyper_parallel.components import model_builder as trainer_module
     from hyper_parallel.models.glm_image_moe_v2 import save_pretrained
 
     if path == "broadcast_shards":  # the path of models too big for a full copy per rank

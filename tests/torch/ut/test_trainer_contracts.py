@@ -235,7 +235,7 @@ def test_labelled_tokens_are_counted_on_the_host_before_the_copy(tmp_path):
     the device, so counting never waits for the device."""
     trainer = _config(tmp_path, "--training.steps", "1", "--checkpoint.no_enable", "--checkpoint.no_export_hf").build()
     order: list[str] = []
-    to_device, count = trainer._to_device, trainer._sum_over_token_ranks
+    to_device, count = trainer.runner.to_device, trainer.runner.sum_over_token_ranks
 
     def recording_to_device(mb):
         assert all(v.device.type == "cpu" for v in mb.values() if torch.is_tensor(v))  # still host batches
@@ -246,7 +246,7 @@ def test_labelled_tokens_are_counted_on_the_host_before_the_copy(tmp_path):
         order.append("count")
         return count(value)
 
-    trainer._to_device, trainer._sum_over_token_ranks = recording_to_device, recording_count
+    trainer.runner.to_device, trainer.runner.sum_over_token_ranks = recording_to_device, recording_count
     try:
         trainer.train_step()
     finally:

@@ -151,7 +151,7 @@ cache_dir = "{corpora['cache']}"
 [[validation.data.sources]]
 name = "images"
 path = "{corpora['val']}"
-loss_on = "image"
+direct_token = {{ loss_on = "image" }}
 
 [[validation.data.sources]]
 name = "text"

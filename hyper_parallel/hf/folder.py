@@ -1,13 +1,13 @@
 """An HF folder is a model.
 
-- which registered spec reads a folder: ``spec_for_hf`` over the one table ``model_spec.HF_MODEL_TYPES``;
-- the model config a folder holds, read by its family's own reader (``ModelSpec.config_from_hf``), its MTP
-  block on when the folder ships one (``config_from_folder``; ``ModelSpec.hf_mtp``);
+- which registered spec reads a folder: ``spec_for_hf`` over the one table ``hf_spec.HF_MODEL_TYPES``; the run's
+  entry point opens the folder and checks its family once (``folder_family``);
+- the model config a folder holds, read by its family's own reader (``HFSpec.config_from_hf``), its MTP
+  block on when the folder ships one (``config_from_folder``; ``HFSpec.mtp``);
 - the model of a run started from a folder: ``resolve_run_model`` (the folder's config, the recipe's
   training-only options on top, an error for an explicit model field that contradicts the folder, and on
   resume the model the run was started with);
-- the generic ``from_pretrained`` / ``save_pretrained`` every family's wrappers are (``pretrained_io``), and
-  ``hyper_parallel.from_pretrained(path)``, which picks the family from the folder.
+- (``hf.pretrained``: ``from_pretrained``, which picks the family from the folder.)
 
 Nothing here names a model family: the families' knowledge is in their specs.
 """
@@ -26,9 +26,10 @@ from typing import Any
 import torch
 
 from hyper_parallel.config.errors import ConfigError
-from hyper_parallel.protocols.hf_io import CheckpointKeyError, build_from_hf, read_hf_config, save_with_model
-from hyper_parallel.protocols.hf_storage import HFFolder
-from hyper_parallel.protocols.model_spec import HF_MODEL_TYPES, ModelSpec, discover_model_spec
+from hyper_parallel.hf.convert import CheckpointKeyError, read_hf_config
+from hyper_parallel.hf.storage import HFFolder
+from hyper_parallel.protocols.hf_spec import HF_MODEL_TYPES
+from hyper_parallel.protocols.model_spec import ModelSpec, discover_model_spec
 
 __all__ = [
     "TRAINING_ONLY_OPTIONS",
@@ -36,9 +37,8 @@ __all__ = [
     "check_mtp_tensors",
     "config_from_folder",
     "folder_mtp_layers",
-    "from_pretrained",
+    "folder_family",
     "is_hf_folder",
-    "pretrained_io",
     "resolve_run_model",
     "resumed_folder_config",
     "spec_for_hf",
@@ -62,6 +62,21 @@ MODEL_COPY = "initial_model"
 def is_hf_folder(path: str | os.PathLike | None) -> bool:
     """Whether ``path`` is an HF checkpoint folder (it holds a ``config.json``)."""
     return bool(path) and (Path(path) / "config.json").is_file()
+
+
+def folder_family(
+    folder: str | os.PathLike | None,
+    *,
+    where: str | None = None,
+    spec_name: str | None = None,
+    has_recipe: Callable[[str], bool] | None = None,
+) -> str | None:
+    """The registered spec that reads HF folder ``folder`` (:func:`spec_for_hf` on its ``config.json``), None when
+    ``folder`` is no HF folder: the run's entry point opens the folder and checks its family here, once
+    (``ConfigManager(folder_family=folder_family)``)."""
+    if not is_hf_folder(folder):
+        return None
+    return spec_for_hf(read_hf_config(folder), where=where or str(folder), spec_name=spec_name, has_recipe=has_recipe)
 
 
 def _describe(hf: Mapping[str, Any]) -> str:
@@ -106,9 +121,9 @@ def spec_for_hf(
 
 def folder_mtp_layers(spec: ModelSpec, hf: Mapping[str, Any]) -> int:
     """How many MTP layers an HF config declares (``text_config`` or top level; 0 when the family has none)."""
-    if spec.hf_mtp is None:
+    if spec.hf is None or spec.hf.mtp is None:
         return 0
-    key = spec.hf_mtp.count_key
+    key = spec.hf.mtp.count_key
     text = hf.get("text_config") or {}
     return int(text.get(key, hf.get(key, 0)) or 0)
 
@@ -118,23 +133,23 @@ def config_from_folder(spec: ModelSpec, hf: Mapping[str, Any], *, mtp: bool | No
 
     ``mtp=None``: the MTP block on iff the folder declares one; ``True``: on (an error names the key when the
     folder declares none); ``False``: off (a folder's MTP tensors then pass through)."""
-    if spec.config_from_hf is None:
-        raise NotImplementedError(f"model spec {spec.name!r} has no HF config reader (ModelSpec.config_from_hf)")
+    if spec.hf is None:
+        raise NotImplementedError(f"model spec {spec.name!r} has no HF config reader (ModelSpec.hf)")
     count = folder_mtp_layers(spec, hf)
     on = count > 0 if mtp is None else mtp
-    if on and spec.hf_mtp is not None:  # without a count the MTP reader raises, naming its key
-        return spec.hf_mtp.config_from_hf(hf), True
+    if on and spec.hf.mtp is not None:  # without a count the MTP reader raises, naming its key
+        return spec.hf.mtp.config_from_hf(hf), True
     if on:
         raise ValueError(f"mtp=True, but model spec {spec.name!r} has no MTP block in its HF folders")
-    return spec.config_from_hf(hf), False
+    return spec.hf.config_from_hf(hf), False
 
 
 def check_mtp_tensors(spec: ModelSpec, hf: Mapping[str, Any], path: str | os.PathLike, model_config: Any) -> None:
     """A folder whose config declares an MTP block must hold its tensors (else training would start the block
     from a random initialisation in silence): an error names the missing keys."""
-    if spec.hf_mtp is None:
+    if spec.hf is None or spec.hf.mtp is None:
         return
-    prefixes = spec.hf_mtp.tensor_prefixes(hf)
+    prefixes = spec.hf.mtp.tensor_prefixes(hf)
     names = HFFolder.open(path).tensors
     if any(k.startswith(prefixes) for k in names):
         return
@@ -142,7 +157,7 @@ def check_mtp_tensors(spec: ModelSpec, hf: Mapping[str, Any], path: str | os.Pat
         ours = sorted(k for k in model_config.build().state_dict() if k.startswith("mtp."))
     shown = ", ".join(ours[:6]) + (f" ... ({len(ours)} in all)" if len(ours) > 6 else "")
     raise CheckpointKeyError(
-        f"{path}/config.json says {spec.hf_mtp.count_key}={folder_mtp_layers(spec, hf)}, but the folder holds no "
+        f"{path}/config.json says {spec.hf.mtp.count_key}={folder_mtp_layers(spec, hf)}, but the folder holds no "
         f"MTP tensors ({' / '.join(p + '*' for p in prefixes)}); missing: {shown}. Load the release's full "
         "weights, or turn MTP off (--model.use_mtp false; from_pretrained(path, mtp=False))"
     )
@@ -372,7 +387,7 @@ def resolve_run_model(
     """
     copy = Path(dump_folder) / MODEL_COPY / "config.json" if dump_folder is not None else None
     resume_copy = bool(folder) and resuming and copy is not None and copy.is_file()
-    if not (is_hf_folder(folder) or resume_copy) or spec.config_from_hf is None:
+    if not (is_hf_folder(folder) or resume_copy) or spec.hf is None:
         return RunModel(config=recipe_model)
     folder = str(folder)
     # resumed: the model the run started with, even if the folder changed or is gone (the checkpoint holds it)
@@ -387,14 +402,14 @@ def resolve_run_model(
         use_mtp = _option_values(recipe_model).get("use_mtp", getattr(recipe_model, "use_mtp", None))
     count = folder_mtp_layers(spec, hf)
     if use_mtp and not count:  # a fresh MTP block on a folder without one (the family's builder, H2's option)
-        config, from_folder = spec.config_from_hf(hf), False
+        config, from_folder = spec.hf.config_from_hf(hf), False
         if not _has_field(config, "use_mtp"):
             raise ConfigError(f"{folder} ships no MTP block and this model has no use_mtp option to start one")
         config = dataclasses.replace(config, use_mtp=True)
     else:
         config, from_folder = config_from_folder(spec, hf, mtp=use_mtp)
-    if spec.fields_not_in_hf is not None:  # what the folder cannot say (a text-only folder's image path)
-        config = dataclasses.replace(config, **{k: getattr(recipe_model, k) for k in spec.fields_not_in_hf(hf)})
+    if spec.hf.fields_not_in_hf is not None:  # what the folder cannot say (a text-only folder's image path)
+        config = dataclasses.replace(config, **{k: getattr(recipe_model, k) for k in spec.hf.fields_not_in_hf(hf)})
     config = _with_release_aux_coef(config, hf)
     config = _apply_run_options(config, recipe_model, explicit, where=f"--checkpoint.initial_load_path {folder}")
     if current is not None:
@@ -432,106 +447,3 @@ def resumed_folder_config(config: Any) -> Any:
         "resuming a run that started from the HF folder %s (%s): its model, not the recipe's", started, source
     )
     return dataclasses.replace(config, checkpoint=dataclasses.replace(ck, initial_load_path=started))
-
-
-# ---- from_pretrained / save_pretrained -----------------------------------------------------------
-
-
-def build_pretrained(
-    spec: ModelSpec,
-    path: str | os.PathLike,
-    *,
-    mtp: bool | None = None,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    config_overrides: Mapping[str, Any] | None = None,
-    load_kwargs: Mapping[str, Any] | None = None,
-) -> Any:
-    """The model of ``spec``'s family in HF folder ``path`` (every key and shape checked; MTP as
-    :func:`config_from_folder` says, its tensors required when the folder declares it)."""
-    hf = read_hf_config(path)
-    spec_for_hf(hf, where=str(path), spec_name=spec.name)
-    config, from_folder = config_from_folder(spec, hf, mtp=mtp)
-    config = with_folder_form(config, path)
-    if from_folder:
-        check_mtp_tensors(spec, hf, path, config)
-    return build_from_hf(
-        spec.model, path, config_from_hf=lambda _hf: config, load_weights=spec.load_hf_weights, dtype=dtype,
-        device=device, config_overrides=dict(config_overrides or {}), **dict(load_kwargs or {}),
-    )  # fmt: skip
-
-
-def pretrained_io(
-    spec: ModelSpec,
-    *,
-    save_state_dict: Callable[..., list[str]],
-    mtp_default: bool | None = False,
-    load_options: Sequence[str] = (),
-    save_defaults: Callable[[Any], dict[str, Any]] | None = None,
-) -> ModelSpec:
-    """``spec`` with its ``from_pretrained`` / ``save_pretrained``, the one generic pair every family uses.
-
-    ``from_pretrained(path, *, dtype=float32, device="cpu", mtp=mtp_default, **kwargs)``: ``kwargs`` named in
-    ``load_options`` go to the family's weight loader, the rest replace top-level config fields.
-    ``save_pretrained(model, path, *, max_shard_size="5GB", dtype=None, state_dict=None, **options)``:
-    ``save_state_dict(model.config, state dict, path, passthrough=kept keys, **save_defaults(model), **options)``.
-    """
-
-    def from_pretrained(
-        path: str | os.PathLike,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        mtp: bool | None = mtp_default,
-        **kwargs: Any,
-    ) -> Any:
-        load = {k: kwargs.pop(k) for k in load_options if kwargs.get(k) is not None}
-        for k in load_options:
-            kwargs.pop(k, None)
-        return build_pretrained(spec, path, mtp=mtp, dtype=dtype, device=device, config_overrides=kwargs, load_kwargs=load)
-
-    def save_pretrained(
-        model: Any,
-        path: str | os.PathLike,
-        *,
-        max_shard_size: int | str = "5GB",
-        dtype: torch.dtype | None = None,
-        state_dict: dict[str, torch.Tensor] | None = None,
-        **options: Any,
-    ) -> list[str]:
-        defaults = save_defaults(model) if save_defaults is not None else {}
-        options = {**defaults, **{k: v for k, v in options.items() if v is not None or k not in defaults}}
-        return save_with_model(
-            save_state_dict, model, path, state_dict=state_dict, max_shard_size=max_shard_size, dtype=dtype, **options
-        )
-
-    from_pretrained.__doc__ = (
-        f"A ``{spec.model.__name__}`` from an HF folder (every key and shape checked). ``mtp``: None follows the "
-        "folder (its MTP block on when it ships one), True turns it on (its tensors required), False keeps its "
-        "tensors as passthrough (written back unchanged). Other keywords replace top-level config fields"
-        + (f" ({', '.join(load_options)}: options of the weight loader)." if load_options else ".")
-    )
-    save_pretrained.__doc__ = (
-        f"Write a ``{spec.model.__name__}`` (or ``state_dict``, e.g. EMA weights) as an HF folder with config.json, "
-        "in the form it was loaded from, kept passthrough tensors included."
-    )
-    return dataclasses.replace(spec, from_pretrained=from_pretrained, save_pretrained=save_pretrained)
-
-
-def from_pretrained(
-    path: str | os.PathLike,
-    *,
-    mtp: bool | None = None,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    module: str | None = None,
-    **kwargs: Any,
-) -> Any:
-    """The model in HF folder ``path``, its family picked from ``config.json`` (``model_type``: the table
-    ``HF_MODEL_TYPES``; ``module`` picks among the candidates, e.g. ``qwen3_vl_moe`` for the whole VL model of
-    a Qwen3.5-MoE ConditionalGeneration folder). ``mtp=None``: its MTP block on when it ships one."""
-    hf = read_hf_config(path)
-    spec = discover_model_spec(spec_for_hf(hf, where=str(path), spec_name=module))
-    if spec.from_pretrained is None:
-        raise NotImplementedError(f"model spec {spec.name!r} has no from_pretrained")
-    return spec.from_pretrained(path, mtp=mtp, dtype=dtype, device=device, **kwargs)

@@ -9,7 +9,7 @@ DTensor's box follows from its placements: FSDP rows, TP rows or columns, an exp
 experts), through safetensors' ``get_slice``, which reads those bytes only. Each read opens its file
 and closes it right after: safetensors maps the file, and the mapped pages a read touches count in the
 process's RSS for as long as the mapping lives. A block-FP8 release's weights are lazy tensors of the same kind
-(``hf_quant.BlockDequantized``): a box reads its FP8 slice and the scale blocks covering it, and is computed in
+(``hf.quant.BlockDequantized``): a box reads its FP8 slice and the scale blocks covering it, and is computed in
 the destination's dtype (``read(box, dtype=)``).
 
 Writing. ``save_converted(sources, convert, path)`` writes sharded safetensors plus the index from our
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from hyper_parallel.protocols.shard_gather import gather_many
+from hyper_parallel.hf.shard_gather import gather_many
 
 __all__ = [
     "SAFE_INDEX",
@@ -51,10 +51,12 @@ __all__ = [
     "local_box",
     "pack_files",
     "permute_rows",
-    "pipeline_stages",
+    "parse_size",
+    "read_safetensors",
     "save_converted",
     "whole_model_view",
     "stack",
+    "write_safetensors",
     "writes_once",
 ]
 
@@ -505,50 +507,36 @@ def _meta(t: Any) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
 
-_STAGES: list[dist.ProcessGroup] = []
-
-
-@contextmanager
-def pipeline_stages(group: dist.ProcessGroup | None) -> Iterator[None]:
-    """Inside the block ``save_converted`` writes a pipeline-parallel model: the ranks of ``group`` (one per stage,
-    the pp axis) hold different keys, so each stage's keys go to files of their own, written by that stage's
-    ranks (no rank receives another stage's tensors), and rank 0 writes the one index of them all."""
-    if group is None:
-        yield
-        return
-    _STAGES.append(group)
-    try:
-        yield
-    finally:
-        _STAGES.pop()
-
-
-def whole_model_view(state: Mapping[str, Any]) -> dict[str, Any]:
-    """``state`` (this rank's tensors), and under ``pipeline_stages`` a meta tensor (global shape and dtype) for
-    every key only other stages hold: what a writer plans the whole folder from (every stage's keys) while it
-    hands ``save_converted`` this rank's own tensors. Every rank of the stage group calls it together."""
-    if not _STAGES or not (dist.is_available() and dist.is_initialized()):
+def whole_model_view(state: Mapping[str, Any], *, stages: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """``state`` (this rank's tensors), and with ``stages`` (the pipeline-parallel group: one rank per stage) a meta
+    tensor (global shape and dtype) for every key only other stages hold: what a writer plans the whole folder from
+    (every stage's keys) while it hands ``save_converted`` this rank's own tensors. Every rank of the stage group
+    calls it together."""
+    if stages is None or not (dist.is_available() and dist.is_initialized()):
         return dict(state)
-    held = _held_per_stage(state)
+    held = _held_per_stage(state, stages)
     others = {k: torch.empty(shape, dtype=dtype, device="meta") for keys in held for k, (shape, dtype) in keys.items()}
     return others | dict(state)
 
 
-def _held_per_stage(state: Mapping[str, Any]) -> list[dict[str, tuple[tuple[int, ...], torch.dtype]]]:
-    """Under ``pipeline_stages``: ``key -> (global shape, dtype)`` of what every pp index holds (one gather)."""
-    group = _STAGES[-1]
+def _held_per_stage(
+    state: Mapping[str, Any], group: dist.ProcessGroup
+) -> list[dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+    """``key -> (global shape, dtype)`` of what every pp index of the stage ``group`` holds (one gather)."""
     held: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(held, {k: (tuple(_meta(t).shape), _meta(t).dtype) for k, t in state.items()}, group=group)
     return held
 
 
-def _stage_plan(sources: Mapping[str, Any], world: int) -> tuple[dict[str, int], list[list[int]], dict[str, torch.Tensor]]:
-    """Under ``pipeline_stages``: ``(key -> the pp index writing it, global ranks of every pp index, meta tensors
-    of every stage's keys)``. A key several stages hold (a passthrough reference every rank keeps) goes to the
-    first of them."""
-    held = _held_per_stage(sources)
+def _stage_plan(
+    sources: Mapping[str, Any], world: int, stages: dist.ProcessGroup
+) -> tuple[dict[str, int], list[list[int]], dict[str, torch.Tensor]]:
+    """``(key -> the pp index writing it, global ranks of every pp index, meta tensors of every stage's keys)`` of a
+    pipeline-parallel save. A key several stages hold (a passthrough reference every rank keeps) goes to the first
+    of them."""
+    held = _held_per_stage(sources, stages)
     index: list[Any] = [None] * world
-    dist.all_gather_object(index, dist.get_rank(_STAGES[-1]))
+    dist.all_gather_object(index, dist.get_rank(stages))
     ranks = [[r for r in range(world) if index[r] == p] for p in range(len(held))]
     holder: dict[str, int] = {}
     metas: dict[str, torch.Tensor] = {}
@@ -600,6 +588,7 @@ def save_converted(
     *,
     max_shard_size: int,
     metadata: Mapping[str, str] | None = None,
+    stages: dist.ProcessGroup | None = None,
 ) -> list[str]:
     """Write ``convert(sources)`` as sharded safetensors (+ index), one source tensor at a time.
 
@@ -608,7 +597,9 @@ def save_converted(
     map each source key on its own (it is also called on meta tensors to plan the files). A sharded save
     makes files of at most ``total / world`` bytes (every rank writes some); with the same file limit a
     sharded and a one-process save write the same bytes. Returns the written file names (the same list on
-    every rank). Under ``pipeline_stages`` each rank passes its own stages' sources.
+    every rank). ``stages``: the pipeline-parallel group (one rank per stage) of a pipeline-parallel model, whose
+ranks hold different keys: each rank passes its own stages' sources, each stage's keys go to files of their own,
+written by that stage's ranks (no rank receives another stage's tensors), and rank 0 writes the one index.
     """
     path = Path(path)
     collective = (
@@ -618,10 +609,10 @@ def save_converted(
     rank, world = (dist.get_rank(), dist.get_world_size()) if collective else (0, 1)
 
     # plan from shapes alone: which HF keys each source makes, their sizes, the files
-    staged = collective and bool(_STAGES)
-    holder, stage_ranks, metas = _stage_plan(sources, world) if staged else ({}, [list(range(world))], {})
+    staged = collective and stages is not None
+    holder, stage_ranks, metas = _stage_plan(sources, world, stages) if staged else ({}, [list(range(world))], {})
     if staged:  # this rank writes its own stage's keys only
-        me = dist.get_rank(_STAGES[-1])
+        me = dist.get_rank(stages)
         sources = {k: t for k, t in sources.items() if holder[k] == me}
     metas = metas or {k: _meta(t) for k, t in sources.items()}
     outputs: dict[str, dict[str, torch.Tensor]] = {}
@@ -698,3 +689,48 @@ def writes_once(sources: Mapping[str, Any]) -> bool:
     ``sources``: rank 0 of a sharded save, or the one process that saves full tensors."""
     sharded = any(isinstance(t, DTensor) for t in sources.values())
     return not (sharded and dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+# ---- whole folders of full tensors ---------------------------------------------------------------
+
+
+def parse_size(size: int | str) -> int:
+    """``"5GB"`` / ``"500MB"`` / ``"100KiB"`` / ``1024`` -> bytes."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", size, flags=re.IGNORECASE)
+    if not m:
+        raise ValueError(f"max_shard_size={size!r}: use bytes or a size like '5GB' / '500MB'")
+    unit = (m.group(2) or "B").upper()
+    base = 1024 if "I" in unit else 1000
+    power = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[0]]
+    return int(float(m.group(1)) * base**power)
+
+
+def write_safetensors(
+    state_dict: dict[str, torch.Tensor],
+    path: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    metadata: dict[str, str] | None = None,
+) -> list[str]:
+    """Write ``state_dict`` as HF safetensors: one file, or shards plus ``model.safetensors.index.json``.
+
+    Returns the written file names. Tensors must be full (not sharded DTensors); to write a sharded model
+    from every rank, see ``hf.storage.save_converted``.
+    """
+    for key, t in state_dict.items():
+        if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
+            raise TypeError(f"{key}: write_safetensors needs full plain tensors, got {type(t).__name__}")
+    return save_converted(
+        state_dict, lambda sd: sd, path, max_shard_size=parse_size(max_shard_size), metadata=metadata
+    )
+
+
+def read_safetensors(path: str | os.PathLike, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Read every tensor of an HF checkpoint folder (sharded with index, or single file) or one file.
+
+    A broken folder raises ``HFCheckpointError`` naming the file (truncated, not safetensors, a shard the
+    index names that is missing or lacks its tensors).
+    """
+    return {key: t.read().to(device) for key, t in HFFolder.open(path).tensors.items()}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hyper_parallel.protocols.hf_storage import equal
+from hyper_parallel.hf.storage import equal
 
 __all__ = ["HEAD_KEY", "tied_head_from_hf", "untied_head_hint"]
 
@@ -27,7 +27,7 @@ def tied_head_from_hf(ours: dict[str, torch.Tensor], *, embed_hf_key: str) -> li
     if embed is None:
         return []  # the missing embedding is reported by the key check
     head = ours.get(HEAD_KEY)
-    # hf_storage.equal: also for the lazy tensors of a sharded load (compared a block of rows at a time)
+    # hf.storage.equal: also for the lazy tensors of a sharded load (compared a block of rows at a time)
     if head is not None and (head.shape != embed.shape or not equal(head, embed)):
         return [
             f"tied: config.json says tie_word_embeddings=true but the folder's {HEAD_KEY} differs from "

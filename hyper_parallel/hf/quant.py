@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from hyper_parallel.protocols.hf_storage import Box, HFCheckpointError, HFTensor
+from hyper_parallel.hf.storage import Box, HFCheckpointError, HFTensor
 
 __all__ = [
     "SCALE_SUFFIX",

@@ -39,7 +39,7 @@ Three forms of one trained adapter set (``models/common/lora.py``: ``W + scale *
   same product exactly. No ``target_parameters``; ``target_modules`` is the set of leaf names. vLLM refuses
   ``modules_to_save`` (vllm/lora/peft_helper.py ``_validate_features``): this form takes none.
 - ``save_merged``: the base with ``scale * B A`` folded into every adapted weight, written by the family's own
-  export (``ModelSpec.save_pretrained``) in the base folder's form: what any server loads with no LoRA support.
+  export (``hf.save.save_pretrained``) in the base folder's form: what any server loads with no LoRA support.
 
 An adapter shared by the routed experts (``share_experts``) is written as one copy per expert in both adapter
 forms (PEFT and vLLM hold one adapter per expert). Adapters and trained modules keep their training dtype; the
@@ -49,18 +49,18 @@ merged export takes the export dtype. ``export_lora`` (``Trainer.export_hf`` of 
 and the adapter is what a LoRA run is for.
 
 The HF name (and rows) of every adapter come from the family's own ours -> HF mapping, never from a table here:
-``hf_rows`` exports a tiny integer "row trace" of each adapted base weight through ``spec.save_pretrained`` into
+``hf_rows`` exports a tiny integer "row trace" of each adapted base weight through the family export into
 a scratch folder and reads back which rows landed under which HF key. So Gated DeltaNet's ``in_proj_qkv``
 (our grouped rows -> HF's ``[Q | K | V]``) takes ``B``'s rows in the base's HF order, a VL folder's
 ``model.language_model.`` prefix, GLM's text-only Glm4MoeLite form (head rows ``[0, V)``), per-expert or fused
 expert keys all follow. A conversion that is not a row selection (the vision patch embedding written as a
 Conv3d) has no LoRA form here and is refused by name.
 
-Sharded models (FSDP / TP / EP DTensors): the adapter is written through ``hf_storage.save_converted`` (each
+Sharded models (FSDP / TP / EP DTensors): the adapter is written through ``hf.storage.save_converted`` (each
 source tensor gathered once, to the rank that writes it; rank 0 then joins the parts into the single file PEFT
 reads); the merge folds ``B A`` into each rank's own shard of ``W`` (only the small ``A`` / ``B`` are gathered)
 and writes through the family export like any sharded model. Every rank calls every function here.
-Pipeline parallel (inside ``hf_storage.pipeline_stages``): each stage's ranks write that stage's adapters, the
+Pipeline parallel (``stages``: the pp group): each stage's ranks write that stage's adapters, the
 plan and ``adapter_config.json`` cover every stage (``whole_model_view``), and the merged folder is written
 per stage like the base export.
 """
@@ -86,8 +86,10 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hyper_parallel.protocols.hf_io import full_tensor, model_state_dict
-from hyper_parallel.protocols.hf_storage import HFFolder, save_converted, whole_model_view, writes_once
+from hyper_parallel.hf.convert import full_tensor
+from hyper_parallel.hf.load import model_state_dict
+from hyper_parallel.hf.save import save_pretrained
+from hyper_parallel.hf.storage import HFFolder, save_converted, whole_model_view, writes_once
 from hyper_parallel.protocols.module import unwrapped_name
 from hyper_parallel.rank_log import warn_on_rank0
 
@@ -221,7 +223,7 @@ def hf_rows(spec: Any, model: Any, shapes: Mapping[str, torch.Size], **options: 
     """For each of our keys (-> global shape) the HF keys the family's export writes it to, and which rows.
 
     Each tensor is replaced by a unique integer per row (``[O, 1]``; ``[E, O, 1]`` for experts; ``[O]`` 1-D),
-    written by ``spec.save_pretrained`` (``options``: the folder's form) into a scratch folder of this process,
+    written by the family export (``save_pretrained``; ``options``: the folder's form) into a scratch folder of this process,
     and read back. Raises, naming the key, when the export does something other than select rows.
     """
     trace: dict[str, torch.Tensor] = {}
@@ -238,7 +240,7 @@ def hf_rows(spec: Any, model: Any, shapes: Mapping[str, torch.Size], **options: 
     if not trace:
         return out
     with tempfile.TemporaryDirectory(prefix="hp_lora_trace_") as tmp:
-        spec.save_pretrained(_ConfigOnly(model), tmp, state_dict=trace, **options)
+        save_pretrained(_ConfigOnly(model), tmp, spec=spec, state_dict=trace, **options)
         written = {k: t.read() for k, t in HFFolder.open(tmp).tensors.items() if t.dtype == torch.int64}
     for hf_key, t in sorted(written.items()):
         first, key = starts[bisect.bisect_right(starts, (int(t.min()), "\uffff")) - 1]
@@ -362,6 +364,7 @@ def save_adapter(
     base_model_name_or_path: str | None = None,
     dtype: torch.dtype | None = None,
     options: Mapping[str, Any] | None = None,
+    stages: dist.ProcessGroup | None = None,
 ) -> list[str]:
     """Write the model's adapters as a PEFT LoRA folder (``form="peft"``) or vLLM's per-expert 2-D form.
 
@@ -369,11 +372,12 @@ def save_adapter(
     default the model's. ``modules_to_save``: our keys of parameters trained in full (default: those that
     require grad, ``trained_module_keys``); the vLLM form refuses them. ``options``: the family export's form
     (default ``folder_form_options(model)``). Adapters of an MTP block (which transformers does not build) are
-    left out with a warning; the merged export keeps them. Returns the written file names.
+    left out with a warning; the merged export keeps them. ``stages``: the pipeline-parallel group (each rank hands
+    in its own stages' tensors). Returns the written file names.
     """
     sd = dict(state_dict) if state_dict is not None else model_state_dict(model)
     # pipeline parallel: this rank holds its stages' keys only, but one folder (and its config) spans every stage
-    view = whole_model_view(sd)
+    view = whole_model_view(sd, stages=stages)
     options = dict(folder_form_options(model) if options is None else options)
     targets = [t for t in adapter_targets(model.config, view) if not t.base_key.startswith(_NOT_IN_HF)]
     left_out = sorted(t.base_key for t in adapter_targets(model.config, view) if t.base_key.startswith(_NOT_IN_HF))
@@ -453,9 +457,9 @@ def save_adapter(
         return out
 
     path = Path(path)
-    sources = {k: sd[k] for k in by_source if k in sd}  # this rank's own (under pipeline_stages: its stages')
+    sources = {k: sd[k] for k in by_source if k in sd}  # this rank's own (pipeline parallel: its stages')
     parts = path / ".adapter_parts"
-    save_converted(sources, convert, parts, max_shard_size=1 << 62)
+    save_converted(sources, convert, parts, max_shard_size=1 << 62, stages=stages)
     once = writes_once(sources)
     if once:
         _join_parts(parts, path / ADAPTER_WEIGHTS)
@@ -573,13 +577,14 @@ def save_merged(
     state_dict: Mapping[str, torch.Tensor] | None = None,
     dtype: torch.dtype | None = None,
     options: Mapping[str, Any] | None = None,
+    stages: dist.ProcessGroup | None = None,
 ) -> list[str]:
     """Write the base with the adapters folded in as an HF folder in the base folder's form (the family's own
     export, kept passthrough tensors included). Holds one extra copy of this rank's shards of the adapted
     weights while writing."""
     merged = merged_state_dict(model, state_dict)
     options = dict(folder_form_options(model) if options is None else options)
-    return spec.save_pretrained(model, path, state_dict=merged, dtype=dtype, **options)
+    return save_pretrained(model, path, spec=spec, state_dict=merged, dtype=dtype, stages=stages, **options)
 
 
 # ---- the run's export ----------------------------------------------------------------------------------------
@@ -596,21 +601,23 @@ def export_lora(
     vllm: bool = False,
     merged: bool = False,
     dtype: torch.dtype | None = None,
+    stages: dist.ProcessGroup | None = None,
 ) -> list[Path]:
     """A LoRA run's export (``--checkpoint.export_hf``; every rank calls): ``path/adapter`` (the PEFT folder, the
     adapters in their training dtype), with ``vllm`` ``path/adapter_vllm`` (vLLM's per-expert 2-D form), with
     ``merged`` ``path/merged`` (the base with the adapters folded in, in ``dtype``, the base folder's form).
-    Returns the folders written."""
+    ``stages``: the pipeline-parallel group (each rank hands in its own stages' tensors). Returns the folders
+    written."""
     path = Path(path)
     sd = dict(state_dict) if state_dict is not None else model_state_dict(model)
     folders = [path / "adapter"]
     save_adapter(spec, model, folders[0], state_dict=sd, modules_to_save=modules_to_save,
-                 base_model_name_or_path=base_model_name_or_path)  # fmt: skip
+                 base_model_name_or_path=base_model_name_or_path, stages=stages)  # fmt: skip
     if vllm:
         folders.append(path / "adapter_vllm")
         save_adapter(spec, model, folders[-1], form="vllm", state_dict=sd, modules_to_save=modules_to_save,
-                     base_model_name_or_path=base_model_name_or_path)  # fmt: skip
+                     base_model_name_or_path=base_model_name_or_path, stages=stages)  # fmt: skip
     if merged:
         folders.append(path / "merged")
-        save_merged(spec, model, folders[-1], state_dict=sd, dtype=dtype)
+        save_merged(spec, model, folders[-1], state_dict=sd, dtype=dtype, stages=stages)
     return folders
