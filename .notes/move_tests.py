@@ -113,6 +113,7 @@ MOVES: dict[str, str] = {
     "test_components_optimizer.py": "components/test_optimizer.py",
     "test_profiler.py": "components/test_profiler.py",
     "test_validation.py": "components/test_validation.py",
+    "test_step_runner.py": "components/test_step_runner.py",
     # dry_run/
     "test_dry_run.py": "dry_run/test_bytes_and_collectives.py",
     "test_dry_run_hf_io.py": "dry_run/test_hf_memory.py",

@@ -1,5 +1,5 @@
 """Jobs of the sharded FP8 load test (gloo workers, see ``harness.py``): an FP8 block-quantized release
-(``tests/torch/ut/test_fp8_load.py: write_fp8_release``) loaded into each parallel layout of one launch, each
+(``tests/torch/ut/hf/test_fp8_load.py: write_fp8_release``) loaded into each parallel layout of one launch, each
 rank dequantizing only its own slices; compared with the one-process load of the dequantized folder."""
 
 from __future__ import annotations

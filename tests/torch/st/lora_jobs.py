@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tests.torch.st.grad_check import whole_grads
+from tests.torch.helpers import canonical_fqn
 
 STEPS = 3
 CAPTURE = (1, 2)
@@ -88,10 +89,6 @@ def write_hf_folder(path: str) -> str:
     return path
 
 
-def _canonical(name: str) -> str:
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-
-
 def _axis_placements(p: torch.Tensor) -> dict[str, str]:
     """Placement of a parameter on each named mesh axis (empty for a plain tensor)."""
     if not isinstance(p, DTensor):
@@ -104,7 +101,7 @@ def _structure(trainer: Any) -> dict[str, Any]:
     """What the layout made of the model: adapters' placements, the frozen base, the optimizer's parameters."""
     from hyper_parallel.models.common.lora import is_lora_param
 
-    params = {_canonical(n): p for n, p in trainer.model.named_parameters()}
+    params = {canonical_fqn(n): p for n, p in trainer.model.named_parameters()}
     trainable = sorted(n for n, p in params.items() if p.requires_grad)
     frozen = {n: p for n, p in params.items() if not p.requires_grad}
     in_optimizer = {id(p) for opt in trainer.optimizers.optimizers for g in opt.param_groups for p in g["params"]}
@@ -135,7 +132,7 @@ def run_trainer(args: list[str]) -> dict[str, Any]:
         record["losses"].append(stats["loss"])
         record["grad_norms"].append(stats["grad_norm"])
         if trainer.step in CAPTURE:
-            record["grads"][trainer.step] = {_canonical(n): g for n, g in whole_grads(trainer.model).items()}
+            record["grads"][trainer.step] = {canonical_fqn(n): g for n, g in whole_grads(trainer.model).items()}
         return stats
 
     trainer.train_step = step

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from tests.torch.st.grad_check import whole_grads
+from tests.torch.helpers import canonical_fqn
 
 _DATA = ["--data.max_tokens_per_microbatch", "128", "--data.global_batch_tokens", "512"]
 FAMILIES: dict[str, list[str]] = {
@@ -37,10 +38,6 @@ def argv(family: str, dump: str, steps: int, *extra: str, checkpoint: int | None
     return [*FAMILIES[family], *COMMON, "--training.steps", str(steps), "--dump_folder", dump, *ckpt, *extra]
 
 
-def _canonical(name: str) -> str:
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-
-
 def run_trainer(args: list[str]) -> dict[str, Any]:
     """One trainer run of ``args`` (resuming when its dump folder holds a checkpoint)."""
     from hyper_parallel.config.manager import ConfigManager
@@ -57,7 +54,7 @@ def run_trainer(args: list[str]) -> dict[str, Any]:
         if trainer.step in (record["start"] + 1, trainer.config.training.steps):
             key = "first_grads" if trainer.step == record["start"] + 1 else "last_grads"
             for part in trainer.model_parts:
-                record.setdefault(key, {}).update({_canonical(n): g for n, g in whole_grads(part).items()})
+                record.setdefault(key, {}).update({canonical_fqn(n): g for n, g in whole_grads(part).items()})
         return stats
 
     validate = trainer.validator.validate

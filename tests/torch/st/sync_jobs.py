@@ -1,6 +1,6 @@
 """Jobs of the sync-count layout tests (gloo workers, see ``harness.py``): each layout builds the real ``Trainer``
 for a debug recipe in bf16, runs a warm step, then counts one step that does not log
-(``tests.torch.ut.test_syncs.measure``). Every rank returns its counts (ranks route different tokens)."""
+(``tests.torch.ut.models.test_syncs.measure``). Every rank returns its counts (ranks route different tokens)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ __all__ = ["sync_layouts_job"]
 
 def sync_layouts_job(layouts: dict[str, tuple[str, str, list[str]]]) -> dict[str, dict[str, Any]]:
     """``{name: counts}`` of each layout ``name: (module, recipe, flags)`` in turn, on this rank."""
-    from tests.torch.ut.test_syncs import measure
+    from tests.torch.ut.models.test_syncs import measure
 
     out = {}
     for name, (module, recipe, flags) in layouts.items():

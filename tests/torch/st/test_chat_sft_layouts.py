@@ -1,6 +1,6 @@
 """Assistant-only chat data through the trainer on gloo ranks: FSDP2 over 2 ranks with 2 micro-batches each gives
 the loss of one process over the same 4 micro-batches (the exact mean over the trained tokens of the global
-batch; the one-process loss itself is checked against a hand computation in tests/torch/ut/test_chat_sft.py)."""
+batch; the one-process loss itself is checked against a hand computation in tests/torch/ut/data/test_chat_sft.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """FP8 block-quantized releases load sharded (issue 31 item 5): the shrunk Qwen3.5-MoE (ConditionalGeneration
-form, vision tower and ``mtp.*`` kept) and GLM-4.7-Flash releases of ``tests/torch/ut/test_fp8_load.py``
+form, vision tower and ``mtp.*`` kept) and GLM-4.7-Flash releases of ``tests/torch/ut/hf/test_fp8_load.py``
 (128 x 128 blocks, ragged edges) loaded into FSDP 2, EP 2 and TP 2 on gloo: a rank's slices start and end
 inside blocks, and each rank dequantizes only its own. Every loaded parameter equals the one-process load of
 the dequantized folder bit for bit, the logits of the parallel model equal its logits within 1e-5 (relative to
@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from tests.torch.st.fp8_jobs import fp8_sharded_load_job
 from tests.torch.st.glm_jobs import Layout
-from tests.torch.ut.test_fp8_load import glm_release, qwen_release
+from tests.torch.ut.hf.test_fp8_load import glm_release, qwen_release
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ from hyper_parallel.config import ConfigManager  # noqa: E402
 from hyper_parallel.data import ToyCorpusSpec, write_toy_corpus  # noqa: E402
 from hyper_parallel.protocols.model import split_output  # noqa: E402
 from tests.torch.st import launch  # noqa: E402
-from tests.torch.ut.test_glm_flash_finetune import chat_file, write_release  # noqa: E402
+from tests.torch.ut.models.glm_image_moe_v2.test_glm_flash_finetune import chat_file, write_release  # noqa: E402
 
 STEPS = 3
 PLACEHOLDER = 511  # the glm_image_moe_debug recipe's image fields: codebook 256, placeholder 511

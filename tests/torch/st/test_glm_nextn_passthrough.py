@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 def test_fsdp_export_writes_the_kept_nextn_layer(pool, tmp_path):
     from hyper_parallel.models.glm_image_moe_v2 import from_pretrained, save_pretrained
     from hyper_parallel.hf.storage import read_safetensors, write_safetensors
-    from tests.torch.ut.test_mtp_glm_passthrough import IMAGE_PART, _nextn_folder
+    from tests.torch.ut.models.glm_image_moe_v2.test_mtp_passthrough import IMAGE_PART, _nextn_folder
 
     flash, nextn = _nextn_folder(tmp_path)
     torch.manual_seed(0)

@@ -26,7 +26,7 @@ READ_LIMIT = {"w2-fsdp": 0.6, "w2-ep2": 0.6, "w2-tp2": 0.8}
 def folders(tmp_path_factory):
     from hyper_parallel.models.qwen3_5_moe_v2 import from_pretrained, save_pretrained
     from hyper_parallel.hf.storage import read_safetensors, write_safetensors
-    from tests.torch.ut.test_qwen3_5_moe_model import _hf_vl_model
+    from tests.torch.ut.models.qwen3_5_moe_v2.test_model import _hf_vl_model
 
     root = tmp_path_factory.mktemp("hf_sharded")
     src = root / "src"

@@ -1,5 +1,5 @@
 """Device-to-host syncs under expert parallel and context parallel (issue 43), counted on CPU like
-``tests/torch/ut/test_syncs.py`` (one real train step of a debug recipe, bf16, a step that does not log), on every
+``tests/torch/ut/models/test_syncs.py`` (one real train step of a debug recipe, bf16, a step that does not log), on every
 rank: at most one sync per forward and none per layer, plus exactly one expert-parallel split-size sync per MoE
 layer per forward, which the full activation-checkpoint recompute reuses (no second read in backward).
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.torch.st.sync_jobs import sync_layouts_job
-from tests.torch.ut.test_syncs import check_budget
+from tests.torch.ut.models.test_syncs import check_budget
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tests.torch.ut.test_trainer_contracts import toy_micro_batches
+from tests.torch.ut.trainer.test_accumulation import toy_micro_batches
 
 ARGS = ["--module", "glm_image_moe", "--config", "glm_image_moe_debug", "--debug.deterministic",
         "--lr_scheduler.warmup_steps", "1", "--training.max_norm", "0", "--training.steps", "1",
@@ -145,7 +145,7 @@ def load_hf_recording_timeouts(hf_dir: str, dump: str) -> list[int]:
 def test_the_hf_load_phase_runs_under_its_own_timeout(pool, tmp_path):
     """Rank 0 alone reads the HF folder while the others wait: that phase gets --comm.hf_load_timeout_seconds,
     then the init timeout comes back."""
-    from tests.torch.ut.test_trainer_contracts import write_hf_folder_with_passthrough
+    from tests.torch.ut.trainer.test_export import write_hf_folder_with_passthrough
 
     write_hf_folder_with_passthrough(tmp_path / "src", tmp_path / "hf")
     for seen in pool.run(load_hf_recording_timeouts, 2, str(tmp_path / "hf"), str(tmp_path / "run")):

@@ -77,7 +77,7 @@ def test_checkpoint_from_two_ranks_resumes_on_four_ranks_and_on_one_process(refe
 def test_hf_passthrough_keys_survive_a_two_rank_run(tmp_path):
     from safetensors.torch import load_file
 
-    from tests.torch.ut.test_trainer_contracts import PASSTHROUGH_KEY, write_hf_folder_with_passthrough
+    from tests.torch.ut.trainer.test_export import PASSTHROUGH_KEY, write_hf_folder_with_passthrough
 
     extra = write_hf_folder_with_passthrough(tmp_path / "src", tmp_path / "hf_in")
     _run(tmp_path / "run", 2, "--training.steps", "2", "--checkpoint.no_enable",

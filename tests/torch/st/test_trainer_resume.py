@@ -7,12 +7,12 @@ all of them have exited before the run is resumed (``launch.py``): no orphan wri
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from tests.torch.st import launch
+from tests.torch.helpers import read_losses
 
 STEPS = 10
 ARGS = ["--module", "glm_image_moe", "--config", "glm_image_moe_debug", "--debug.deterministic",
@@ -30,14 +30,6 @@ def _run(dump: Path, nproc: int) -> str:
     return launch.run(_command(dump, nproc))
 
 
-def _losses(dump: Path) -> dict[int, float]:
-    out: dict[int, float] = {}
-    for line in (dump / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        out[rec["step"]] = rec["loss"]  # the resumed run appends; the last record of a step wins
-    return out
-
-
 def _kill_when(dump: Path, nproc: int, ready) -> None:
     """Start the run; as soon as ``ready(checkpoint_folder)`` holds, SIGKILL the whole launch and wait until
     every process of it has exited."""
@@ -50,7 +42,7 @@ def test_kill9_after_checkpoint_resumes_exactly(tmp_path, nproc):
     _run(tmp_path / "whole", nproc)
     _kill_when(tmp_path / "split", nproc, lambda f: (f / "step-6" / ".metadata").is_file())
     _run(tmp_path / "split", nproc)  # the same command again resumes from step 6 (or later)
-    a, b = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
+    a, b = read_losses(tmp_path / "whole"), read_losses(tmp_path / "split")
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
     worst = max(abs(a[s] - b[s]) for s in a)
     assert worst <= 1e-6, (worst, a, b)
@@ -74,6 +66,6 @@ def test_kill9_during_checkpoint_write_keeps_previous_checkpoint(tmp_path):
     assert complete == ["step-3"], complete
     log = _run(split, 1)
     assert "resumed from" in log and "step-3 at step 3" in log, log[-2000:]
-    a, b = _losses(tmp_path / "whole"), _losses(split)
+    a, b = read_losses(tmp_path / "whole"), read_losses(split)
     assert max(abs(a[s] - b[s]) for s in a) <= 1e-6
     assert not any(p.name.endswith(".tmp") for p in folder.iterdir())
