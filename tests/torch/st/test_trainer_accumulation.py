@@ -118,17 +118,17 @@ def load_hf_recording_timeouts(hf_dir: str, dump: str) -> list[int]:
     """Build a 2-rank trainer from an HF folder; return the process-group timeouts it set, in order."""
     import torch.distributed as dist
 
-    import hyper_parallel.trainer as trainer_module
+    import hyper_parallel.components.model_builder as builder_module
     from hyper_parallel.config import ConfigManager
 
     seen: list[int] = []
-    original = trainer_module.set_pg_timeouts
+    original = builder_module.set_pg_timeouts
 
     def recording(seconds, mesh=None):
         seen.append(seconds)
         return original(seconds, mesh)
 
-    trainer_module.set_pg_timeouts = recording
+    builder_module.set_pg_timeouts = recording
     try:
         cfg = ConfigManager().parse_args([
             "--module", "glm_image_moe", "--config", "glm_image_moe_debug", "--checkpoint.no_enable",
@@ -138,7 +138,7 @@ def load_hf_recording_timeouts(hf_dir: str, dump: str) -> list[int]:
         trainer = cfg.build()
         trainer.close()
     finally:
-        trainer_module.set_pg_timeouts = original
+        builder_module.set_pg_timeouts = original
     return seen
 
 
