@@ -77,9 +77,7 @@ class CommConfig:
     train_timeout_seconds: int = 600
     """Timeout of every collective after the first step."""
     hf_load_timeout_seconds: int = 3600
-    """Timeout of the collectives around `--checkpoint.initial_load_path`: every rank reads its own slices of
-    the HF folder, and a slow file system (or a partial folder's seeded init) can keep the fastest rank
-    waiting for the slowest."""
+    """Timeout of the collectives around `--checkpoint.initial_load_path` (each rank reads its own slices; a slow file system keeps the fastest rank waiting)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -96,13 +96,13 @@ class BaseDataLoader(Configurable):
         tokenizer: str = ""
         """text: the tokenizer (a tokenizer.json file or an HF folder) that tokenises raw .jsonl/.parquet/.arrow files; empty = the toy tokenizer (toy corpus only)."""
         allow_foreign_tokenizer: bool = False
-        """Train with a tokenizer that is not the one the model folder (--checkpoint.initial_load_path) ships: data.tokenizer, a source's tokenizer or the one vision-language shards were written with. Off: such a tokenizer (other vocabulary, special tokens or chat template) is an error naming both."""
+        """Train with a tokenizer other than the model folder's (data.tokenizer, a source's, VL shards'). Off: one that differs (vocabulary, special tokens, chat template) is an error."""
         text: TextOptions = field(default_factory=TextOptions)
-        """Source text: the columns of raw records (text_column, chat_column) and split_long_documents."""
+        """Source text: record columns, long documents."""
         chat: ChatOptions = field(default_factory=ChatOptions)
-        """Sources text and vision_language: which tokens of a conversation train (loss_on), system_prompt, the chat template switches, long_conversations."""
+        """Sources text and vision_language: conversations."""
         direct_token: DirectTokenOptions = field(default_factory=DirectTokenOptions)
-        """Source direct_token: which targets train (loss_on: document, image or text)."""
+        """Source direct_token: which targets train."""
         sources: list[SourceConfig] = field(default_factory=list)
         """A weighted mixture of sources (run file: `[[data.sources]]` entries with name, source, path, weight, on_bad_sample, tokenizer and the source's own text / chat / direct_token sections); when set, data.source and data.path are unused and the data section's text / chat / direct_token sections must keep their defaults (each entry has its own). Empty = the single source data.source/data.path."""
 

@@ -42,38 +42,51 @@ MIXTURE_SOURCE_TYPES = ("direct_token", "text", "vision_language")
 
 @dataclass(kw_only=True, slots=True)
 class TextOptions:
-    """Source ``text``: how raw .jsonl/.json/.parquet/.arrow records become documents."""
+    """Source ``text``: how raw .jsonl/.json/.parquet/.arrow records become documents.
+
+    ``chat_column`` names a list of ``{role, content}`` messages rendered with the tokenizer's chat template (empty:
+    plain text from ``text_column``). ``split_long_documents`` cuts a document longer than
+    ``max_tokens_per_microbatch`` into pieces of at most that many tokens instead of treating it as a bad sample.
+    """
 
     text_column: str = "text"
-    """text: the column (field) of raw records that holds the document text."""
+    """The raw records' document-text column."""
     chat_column: str = ""
-    """text: the column of raw records that holds a conversation (a list of {role, content} messages), rendered with the tokenizer's chat template; empty = plain text from text_column."""
+    """The conversation column (chat template); empty: plain text."""
     split_long_documents: bool = False
-    """text: cut documents longer than max_tokens_per_microbatch into pieces of at most that many tokens instead of treating them as bad samples."""
+    """Cut documents over the micro-batch budget into pieces."""
 
 
 @dataclass(kw_only=True, slots=True)
 class ChatOptions:
-    """Sources ``text`` and ``vision_language``: which tokens train, and how conversations render."""
+    """Sources ``text`` and ``vision_language``: which tokens train, and how conversations render.
+
+    ``loss_on="document"``: a conversation trains its assistant turns (content, reasoning, tool calls, end token),
+    plain text every token; ``"assistant"``: assistant turns only (a record without one is a ``no_assistant`` bad
+    sample); ``"all"``: every token (image tokens never train). A conversation longer than
+    ``max_tokens_per_microbatch`` is a ``too_long`` bad sample (``on_bad_sample``) with ``long_conversations="drop"``,
+    or is kept up to its last assistant turn that fits with ``"cut"`` (counted in ``data/conversations_cut``).
+    """
 
     loss_on: Literal["document", "assistant", "all"] = "document"
-    """text, vision_language: which tokens train. `document`: a conversation trains its assistant turns (content, reasoning, tool calls, end token), plain text every token; `assistant`: assistant turns only (a record without one is a no_assistant bad sample); `all`: every token (image tokens never train)."""
+    """`document`: a conversation's assistant turns, plain text every token; `assistant`: assistant turns only (none: a no_assistant bad sample); `all`: every token but image tokens."""
     system_prompt: str = ""
-    """text, vision_language: a system message put first in every conversation that has none (empty: none)."""
+    """System message for conversations that have none."""
     reasoning_effort: str = ""
-    """text, vision_language: chat template `reasoning_effort` where a record sets none ('': its default)."""
+    """Chat template `reasoning_effort` where a record sets none."""
     preserve_thinking: bool | None = None
-    """text, vision_language: chat template `preserve_thinking` (keep, and train, earlier turns' reasoning)."""
+    """Chat template `preserve_thinking` (keep past reasoning)."""
     long_conversations: Literal["drop", "cut"] = "drop"
-    """text, vision_language: a conversation longer than max_tokens_per_microbatch: `drop` = a too_long bad sample (on_bad_sample: error, or skip and count); `cut` = keep it up to its last assistant turn that fits (counted in data/conversations_cut)."""
+    """`drop` (a too_long bad sample) or `cut` at the last assistant turn that fits."""
 
 
 @dataclass(kw_only=True, slots=True)
 class DirectTokenOptions:
-    """Source ``direct_token``: which targets of the image+text stream train."""
+    """Source ``direct_token``: which targets of the image+text stream train (``loss_on="document"``: as each
+    document's json ``loss_on`` says)."""
 
     loss_on: Literal["document", "image", "text"] = "document"
-    """direct_token: `document`: as each document says (its json `loss_on`); `image`: only image targets train; `text`: only text targets train."""
+    """`document`: per document; `image` / `text`: only those."""
 
 
 SECTION_SOURCES: dict[str, tuple[str, ...]] = {
